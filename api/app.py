@@ -1,0 +1,30 @@
+"""The ASGI application: `create_app(backend)` wires the route groups to one `Backend`.
+
+Serve it with hypercorn's trio worker; the handlers use trio directly.
+"""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+
+from api.backend import Backend
+from api.chat import ChatRoutes
+from api.errors import EXCEPTION_HANDLERS
+from api.models import ModelRoutes
+
+KEEPALIVE_S = 10.0
+"""Send an SSE comment after this long without an event: well under the 30-60 s at which proxies and
+clients commonly drop an idle connection, and rare enough to cost nothing."""
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+"""Larger chat-completion bodies get a 413. A full 128k-token conversation is about 0.5-1 MiB of JSON;
+the runner wire's frame limit (`protocol.runner_wire.MAX_FRAME_BYTES`, 16 MiB) must stay above this."""
+
+
+def create_app(
+    backend: Backend, *, keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES
+) -> Starlette:
+    """The OpenAI-compatible API over `backend`. Every error answers in OpenAI's error shape."""
+    chat = ChatRoutes(backend, keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
+    routes = [*chat.routes(), *ModelRoutes(backend).routes()]
+    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)

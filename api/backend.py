@@ -1,0 +1,46 @@
+"""The small interface the node hands the API: the API never reaches into node internals."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from protocol.chat import GenerateRequest
+from protocol.events import ChunkEvent
+from protocol.ids import ModelId, RequestId
+
+
+class ModelCard(BaseModel):
+    """A model this node can serve right now."""
+
+    model_config = ConfigDict(frozen=True)
+    id: ModelId
+    created: int
+    owned_by: str = "shoal"
+    context_length: int | None = None
+    """None while the model is still loading."""
+
+
+class Backend(Protocol):
+    def models(self) -> Sequence[ModelCard]:
+        """The models that requests may name."""
+        ...
+
+    def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
+        """Start a generation and iterate over its events.
+
+        The iterator ends after one terminal event (`Finish` or `GenerationError`). Leaving the context
+        before that (client gone, handler cancelled) cancels the generation in the runner.
+        """
+        ...
+
+    async def cancel(self, request_id: RequestId) -> bool:
+        """Cancel an in-flight generation; False when no such request is running."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """A JSON-ready picture of the node's runners for `GET /health`."""
+        ...

@@ -1,0 +1,1 @@
+"""The Shoal node process: CLI, runner supervision and (later) networking."""

@@ -1,0 +1,25 @@
+"""Every setting of a node in one place, each default with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+"""The built-in model: small enough for any laptop, real enough to answer questions."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    data_dir: Path
+    """Models, the harmony vocab and (later) the node identity live here."""
+    model: str | None = DEFAULT_MODEL
+    """A model reference (built-in name, folder, .gguf file or Hugging Face repo id); None serves nothing."""
+    api_host: str = "0.0.0.0"
+    """All interfaces: any machine of the cluster's network may send requests to any node."""
+    api_port: int = 52415
+    """0 picks a free port (the log says which)."""
+    prefill_step_size: int = 512
+    """Tokens per prefill chunk: smaller means more progress events and cancel points, slightly slower."""
+    keepalive_s: float = 10.0
+    """An SSE comment goes out after this long without events, so proxies keep the stream open."""

@@ -1,0 +1,1 @@
+"""The runner: MLX executes in its own OS process so a crash never takes the node down."""

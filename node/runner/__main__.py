@@ -1,0 +1,146 @@
+"""Runner process entry point: `python -m node.runner --model-path P --model-id ID`.
+
+Reads `Generate`/`Cancel`/`Shutdown` frames on stdin, writes `Ready`/`RequestEvent`/`LoadFailed`
+frames on stdout. MLX runs on the main thread; a reader thread receives commands so that a cancel
+arrives while a generation runs. The runner exits when its stdin closes: a runner never outlives
+its node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import BinaryIO
+
+from node.runner.engine import generate, load_model
+from protocol.chat import GenerateRequest
+from protocol.events import ChunkEvent, GenerationError
+from protocol.ids import RequestId
+from protocol.runner_wire import (
+    Cancel,
+    FrameDecoder,
+    FrameError,
+    Generate,
+    LoadFailed,
+    Ready,
+    RequestEvent,
+    RunnerMessage,
+    Shutdown,
+    encode_frame,
+)
+
+log = logging.getLogger("shoal.runner")
+
+
+class _Wire:
+    """Thread-safe frame writer on the runner's private copy of stdout."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    def send(self, message: RunnerMessage) -> None:
+        frame = encode_frame(message)
+        with self._lock:
+            self._out.write(frame)
+            self._out.flush()
+
+
+class _Inbox:
+    """Commands from the node: queued generations and the set of cancelled request ids."""
+
+    def __init__(self) -> None:
+        self.pending: queue.Queue[GenerateRequest | None] = queue.Queue()
+        self._cancelled: set[RequestId] = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def cancel(self, request_id: RequestId) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def is_cancelled(self, request_id: RequestId) -> bool:
+        with self._lock:
+            return self.closed or request_id in self._cancelled
+
+    def forget(self, request_id: RequestId) -> None:
+        with self._lock:
+            self._cancelled.discard(request_id)
+
+    def close(self) -> None:
+        self.closed = True
+        self.pending.put(None)
+
+
+def _read_commands(stdin: BinaryIO, inbox: _Inbox) -> None:
+    decoder = FrameDecoder()
+    try:
+        while data := stdin.read1(65536):  # type: ignore[attr-defined]
+            for message in decoder.feed(data):
+                if isinstance(message, Generate):
+                    inbox.pending.put(message.request)
+                elif isinstance(message, Cancel):
+                    inbox.cancel(message.request_id)
+                elif isinstance(message, Shutdown):
+                    return
+    except FrameError:
+        log.exception("bad frame from the node; shutting down")
+    finally:
+        inbox.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node.runner")
+    parser.add_argument("--model-path", type=Path, required=True)
+    parser.add_argument("--vocab-dir", type=Path, default=None)
+    parser.add_argument("--prefill-step-size", type=int, default=512)
+    args = parser.parse_args(argv)
+
+    # The node stops us by closing stdin; Ctrl-C in a terminal must not kill us mid-write.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Frames own the real stdout; anything printed by libraries goes to stderr (the node's log).
+    wire = _Wire(os.fdopen(os.dup(1), "wb"))
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.INFO, format="runner: %(message)s")
+
+    try:
+        loaded = load_model(args.model_path, vocab_dir=args.vocab_dir)
+    except Exception as exc:  # any load failure is reported to the node, which shows it to users
+        log.exception("could not load %s", args.model_path)
+        wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
+        return 1
+    inbox = _Inbox()
+    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
+    wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
+
+    while (request := inbox.pending.get()) is not None:
+        request_id = request.request_id
+
+        def emit(event: ChunkEvent, request_id: RequestId = request_id) -> None:
+            wire.send(RequestEvent(request_id=request_id, event=event))
+
+        try:
+            generate(
+                loaded,
+                request,
+                emit=emit,
+                is_cancelled=functools.partial(inbox.is_cancelled, request_id),
+                prefill_step_size=args.prefill_step_size,
+            )
+        except Exception as exc:  # a fault in one generation fails that request, not the runner
+            log.exception("generation %s failed", request_id)
+            emit(GenerationError(error_kind="server_error", message=f"generation failed: {exc}"))
+        inbox.forget(request_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The wire between a node and its runner process: CBOR messages in length-prefixed frames.
+
+Sans-I/O (h11 style): `encode_frame` turns a message into bytes, `FrameDecoder` turns received bytes
+into messages. Whoever owns the pipe moves the bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Literal
+
+import cbor2
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from protocol.chat import GenerateRequest
+from protocol.events import ChunkEvent
+from protocol.ids import RequestId
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""A frame bigger than this is a protocol violation, not a message."""
+_LENGTH = struct.Struct(">I")
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# Node -> runner.
+class Generate(_Message):
+    type: Literal["generate"] = "generate"
+    request: GenerateRequest
+
+
+class Cancel(_Message):
+    type: Literal["cancel"] = "cancel"
+    request_id: RequestId
+
+
+class Shutdown(_Message):
+    type: Literal["shutdown"] = "shutdown"
+
+
+# Runner -> node.
+class Ready(_Message):
+    """The model is loaded; the runner accepts `Generate` from now on."""
+
+    type: Literal["ready"] = "ready"
+    model_type: str
+    context_length: int
+    pid: int
+
+
+class RequestEvent(_Message):
+    type: Literal["event"] = "event"
+    request_id: RequestId
+    event: ChunkEvent
+
+
+class LoadFailed(_Message):
+    """The model could not be loaded; the runner exits after sending this."""
+
+    type: Literal["load_failed"] = "load_failed"
+    message: str
+
+
+RunnerMessage = Annotated[
+    Generate | Cancel | Shutdown | Ready | RequestEvent | LoadFailed, Field(discriminator="type")
+]
+_adapter: TypeAdapter[RunnerMessage] = TypeAdapter(RunnerMessage)
+
+
+class FrameError(ValueError):
+    """The other side sent bytes that are not a valid frame or message."""
+
+
+def encode_frame(message: RunnerMessage) -> bytes:
+    body = cbor2.dumps(message.model_dump(mode="json"))
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode_message(body: bytes) -> RunnerMessage:
+    try:
+        return _adapter.validate_python(cbor2.loads(body))
+    except (cbor2.CBORDecodeError, ValidationError, ValueError, TypeError) as exc:
+        raise FrameError(f"undecodable runner message: {exc}") from exc
+
+
+class FrameDecoder:
+    """Accumulates bytes and yields each complete message."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[RunnerMessage]:
+        self._buffer += data
+        messages: list[RunnerMessage] = []
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                raise FrameError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+            end = _LENGTH.size + length
+            if len(self._buffer) < end:
+                break
+            body = bytes(self._buffer[_LENGTH.size : end])
+            del self._buffer[:end]
+            messages.append(decode_message(body))
+        return messages

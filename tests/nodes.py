@@ -1,0 +1,111 @@
+"""Start real `shoal run` processes for tests and wait for them on events, not on sleeps."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+_LISTENING = re.compile(r"API listening on (http://\S+)")
+_READY = re.compile(r"model (\S+) ready")
+
+
+@dataclass
+class RunningNode:
+    process: subprocess.Popen[str]
+    base_url: str
+    model_id: str | None
+    log: list[str] = field(default_factory=list)
+    _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
+
+    def wait_for_log(self, pattern: str | re.Pattern[str], timeout: float) -> re.Match[str]:
+        """Wait until a log line (old or new) matches; fail with the log when it doesn't in time."""
+        regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+        for line in self.log:
+            if match := regex.search(line):
+                return match
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError(f"node exited before {regex.pattern!r}:\n" + "".join(self.log[-40:]))
+            if match := regex.search(line):
+                return match
+        raise AssertionError(f"no log line {regex.pattern!r} within {timeout}s:\n" + "".join(self.log[-40:]))
+
+    def health(self) -> dict:  # type: ignore[type-arg]
+        return httpx.get(f"{self.base_url}/health", timeout=10).json()
+
+    def runner_pid(self) -> int:
+        return int(self.health()["runners"][0]["pid"])
+
+    def stop(self, timeout: float = 10) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+
+DEFAULT = "default"
+"""Pass as `model` to start a node without `--model`, i.e. with the built-in default."""
+
+
+def start_node(
+    *args: str,
+    data_dir: Path,
+    model: str | None,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 120,
+) -> RunningNode:
+    """`shoal run` on 127.0.0.1 with a free port; returns once the API listens and the model is ready.
+
+    `model` is a model reference, `DEFAULT` (no `--model` flag) or None (`--no-model`).
+    """
+    cmd = [sys.executable, "-m", "node.cli", "run", "--api-host", "127.0.0.1", "--api-port", "0"]
+    cmd += ["--data-dir", str(data_dir)]
+    if model is None:
+        cmd.append("--no-model")
+    elif model != DEFAULT:
+        cmd += ["--model", model]
+    cmd += list(args)
+    process = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    node = RunningNode(process=process, base_url="", model_id=None)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            node.log.append(line)
+            node._lines.put(line)
+        node._lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        node.base_url = node.wait_for_log(_LISTENING, ready_timeout).group(1)
+        if model is not None:
+            node.model_id = node.wait_for_log(_READY, ready_timeout).group(1)
+    except BaseException:
+        node.stop()
+        raise
+    return node

@@ -1,0 +1,145 @@
+"""The runner under stress: SIGKILL mid-stream, client disconnect, cancel, prefill progress, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.nodes import RunningNode, start_node
+
+
+@pytest.fixture(scope="module")
+def node(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningNode]:
+    node = start_node(
+        "--prefill-step-size", "64", data_dir=tmp_path_factory.mktemp("data"), model=str(random_model_dir)
+    )
+    yield node
+    node.stop()
+
+
+def _body(node: RunningNode, content: str = "Tell me a long story.", **extra: object) -> dict[str, object]:
+    return {
+        "model": node.model_id,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        **extra,
+    }
+
+
+def _data(line: str) -> dict | None:  # type: ignore[type-arg]
+    return json.loads(line[6:]) if line.startswith("data: {") else None
+
+
+def _has_content(line: str) -> bool:
+    chunk = _data(line)
+    return bool(chunk and any(c["delta"].get("content") for c in chunk.get("choices", [])))
+
+
+def _wait_idle(node: RunningNode, timeout: float) -> float:
+    """Seconds until the runner reports no active request (its own terminal event, not a guess)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if node.health()["runners"][0]["active_requests"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"runner still busy after {timeout}s: {node.health()}")
+
+
+def test_sigkill_of_runner_mid_stream_ends_stream_with_error(node: RunningNode) -> None:
+    before = node.health()["runners"][0]
+    pid = before["pid"]
+    with httpx.stream(
+        "POST", f"{node.base_url}/v1/chat/completions", json=_body(node, stream=True), timeout=10
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert any(_has_content(line) for line in lines)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line]
+        elapsed = time.monotonic() - killed
+    assert elapsed < 5
+    assert rest[-1] == "data: [DONE]"
+    errors = [chunk["error"] for line in rest if (chunk := _data(line)) and "error" in chunk]
+    assert len(errors) == 1 and errors[0]["type"] == "server_error"
+
+    # The node restarts the runner; the next request waits for it and succeeds.
+    after = httpx.post(f"{node.base_url}/v1/chat/completions", json=_body(node, max_tokens=4), timeout=120)
+    assert after.status_code == 200, after.text
+    assert after.json()["usage"]["completion_tokens"] == 4
+    health = node.health()["runners"][0]
+    assert (
+        health["pid"] != pid and health["restarts"] == before["restarts"] + 1 and health["state"] == "ready"
+    )
+
+
+def test_client_disconnect_stops_generation(node: RunningNode) -> None:
+    with httpx.stream(
+        "POST", f"{node.base_url}/v1/chat/completions", json=_body(node, stream=True), timeout=10
+    ) as r:
+        lines = r.iter_lines()
+        assert any(_has_content(line) for line in lines)
+        assert node.health()["runners"][0]["active_requests"] == 1
+    assert _wait_idle(node, timeout=2.0) < 2.0
+
+
+def test_cancel_endpoint_stops_generation(node: RunningNode) -> None:
+    with httpx.stream(
+        "POST", f"{node.base_url}/v1/chat/completions", json=_body(node, stream=True), timeout=10
+    ) as r:
+        lines = r.iter_lines()
+        first = next(chunk for line in lines if (chunk := _data(line)))
+        cancel = httpx.post(f"{node.base_url}/v1/cancel/{first['id']}", timeout=5)
+        assert cancel.status_code == 200, cancel.text
+        start = time.monotonic()
+        rest = [line for line in lines if line]
+        assert time.monotonic() - start < 2
+    assert rest[-1] == "data: [DONE]"
+    assert _wait_idle(node, timeout=2.0) < 2.0
+    unknown = httpx.post(f"{node.base_url}/v1/cancel/{first['id']}", timeout=5)
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_long_prompt_streams_prefill_progress_before_first_token(node: RunningNode) -> None:
+    prompt = " ".join(f"word{i}" for i in range(300))
+    body = _body(node, prompt, stream=True, max_tokens=3, stream_options={"include_usage": True})
+    progress: list[tuple[int, int]] = []
+    usage = None
+    with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith(": prefill_progress "):
+                figures = json.loads(line.removeprefix(": prefill_progress "))
+                progress.append((figures["processed_tokens"], figures["total_tokens"]))
+            elif _has_content(line):
+                assert progress and progress[-1][0] == progress[-1][1], "a token came before prefill ended"
+            elif (chunk := _data(line)) and chunk.get("usage"):
+                usage = chunk["usage"]
+    assert usage is not None
+    total = usage["prompt_tokens"]
+    assert total > 600 and len(progress) >= total // 64
+    assert all(t == total for _, t in progress)
+    processed = [p for p, _ in progress]
+    assert processed == sorted(set(processed)) and processed[0] == 0 and processed[-1] == total
+
+    # The openai SDK ignores the comment lines.
+    client = openai.OpenAI(base_url=f"{node.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(**body))  # type: ignore[call-overload]
+    assert chunks[-1].usage.prompt_tokens == total
+
+
+def test_ctrl_c_stops_node_quickly(random_model_dir: Path, tmp_path: Path) -> None:
+    other = start_node(data_dir=tmp_path, model=str(random_model_dir))
+    runner_pid = other.runner_pid()
+    start = time.monotonic()
+    assert other.stop(timeout=5) == 0
+    assert time.monotonic() - start < 2.5
+    with pytest.raises(ProcessLookupError):
+        os.kill(runner_pid, 0)
