@@ -33,7 +33,13 @@ class Backend(Protocol):
         """Start a generation and iterate over its events.
 
         The iterator ends after one terminal event (`Finish` or `GenerationError`). Leaving the context
-        before that (client gone, handler cancelled) cancels the generation in the runner.
+        before that, with or without an exception (the client hung up: usually `trio.Cancelled`, maybe
+        inside an exception group), cancels the generation in the runner. Entering may be cancelled too.
+
+        The API reads the first event before it answers: a `GenerationError` of kind `invalid_request`
+        there becomes an HTTP 400 (one of kind `server_error`, a 503), so report bad prompts first.
+        The API iterates from a child task of the one that entered the context, and the iterator may
+        be an async generator or a memory channel alike.
         """
         ...
 

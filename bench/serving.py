@@ -41,7 +41,7 @@ def _rate(tokens: int, first: float, last: float) -> float:
 def bench_mlx_lm(model_dir: Path, tokens: int, repeats: int) -> list[Run]:
     from mlx_lm import load, stream_generate
 
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = load(str(model_dir))[:2]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
     runs = []
     for _ in range(repeats + 1):  # the first run warms up

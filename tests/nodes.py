@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -36,16 +37,16 @@ class RunningNode:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
-                line = self._lines.get(timeout=left)
+                item = self._lines.get(timeout=left)
             except queue.Empty:
                 break
-            if line is None:
+            if item is None:
                 raise AssertionError(f"node exited before {regex.pattern!r}:\n" + "".join(self.log[-40:]))
-            if match := regex.search(line):
+            if match := regex.search(item):
                 return match
         raise AssertionError(f"no log line {regex.pattern!r} within {timeout}s:\n" + "".join(self.log[-40:]))
 
-    def health(self) -> dict:  # type: ignore[type-arg]
+    def health(self) -> dict[str, Any]:
         return httpx.get(f"{self.base_url}/health", timeout=10).json()
 
     def runner_pid(self) -> int:
@@ -102,7 +103,7 @@ def start_node(
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        node.base_url = node.wait_for_log(_LISTENING, ready_timeout).group(1)
+        node.base_url = str(node.wait_for_log(_LISTENING, ready_timeout).group(1))
         if model is not None:
             node.model_id = node.wait_for_log(_READY, ready_timeout).group(1)
     except BaseException:

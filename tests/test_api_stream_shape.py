@@ -13,11 +13,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.nodes import RunningNode
 
 CHAT = "/v1/chat/completions"
-QUESTION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name three colours."},
+]
 PREFILL = re.compile(r'^: prefill_progress \{"processed_tokens":(\d+),"total_tokens":(\d+)\}$')
 
 
@@ -110,7 +114,7 @@ def test_openai_sdk_parses_stream_and_completion(random_node: RunningNode, model
     client = openai.OpenAI(base_url=f"{random_node.base_url}/v1", api_key="x", timeout=120, max_retries=0)
     completion = client.chat.completions.create(
         model=model,
-        messages=QUESTION,  # type: ignore[arg-type]
+        messages=QUESTION,
         temperature=0,
         max_tokens=12,
     )
@@ -122,7 +126,7 @@ def test_openai_sdk_parses_stream_and_completion(random_node: RunningNode, model
 
     stream = client.chat.completions.create(
         model=model,
-        messages=QUESTION,  # type: ignore[arg-type]
+        messages=QUESTION,
         temperature=0,
         max_tokens=12,
         stream=True,

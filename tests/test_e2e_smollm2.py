@@ -7,6 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer
 
 from node.models import default_data_dir
@@ -14,7 +15,8 @@ from tests.nodes import DEFAULT, RunningNode, start_node
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ASK = "What is the capital of France?"
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": ASK}]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,9 @@ def client(smollm2_node: RunningNode) -> openai.OpenAI:
 def _expected_usage(builtin_model_dir: Path, answer: str) -> tuple[int, int]:
     """Prompt tokens from the chat template; completion = the answer's tokens plus the end-of-turn token."""
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_dir)
-    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ASK}], add_generation_prompt=True, tokenize=False
+    )
     n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return n_prompt, len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1
 
@@ -43,7 +47,7 @@ def test_default_model_is_smollm2(smollm2_node: RunningNode, client: openai.Open
 
 
 def test_capital_of_france(client: openai.OpenAI, builtin_model_dir: Path) -> None:
-    completion = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0)  # type: ignore[arg-type]
+    completion = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0)
     answer = completion.choices[0].message.content or ""
     assert "Paris" in answer
     assert completion.choices[0].finish_reason == "stop"
@@ -56,7 +60,7 @@ def test_capital_of_france(client: openai.OpenAI, builtin_model_dir: Path) -> No
 def test_capital_of_france_streaming(client: openai.OpenAI, builtin_model_dir: Path) -> None:
     stream = client.chat.completions.create(
         model="smollm2-135m",
-        messages=QUESTION,  # type: ignore[arg-type]
+        messages=QUESTION,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -34,7 +35,7 @@ def _body(node: RunningNode, content: str = "Tell me a long story.", **extra: ob
     }
 
 
-def _data(line: str) -> dict | None:  # type: ignore[type-arg]
+def _data(line: str) -> dict[str, Any] | None:
     return json.loads(line[6:]) if line.startswith("data: {") else None
 
 
