@@ -38,26 +38,31 @@ def _rate(tokens: int, first: float, last: float) -> float:
     return (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
 
 
-def bench_mlx_lm(model_dir: Path, tokens: int, repeats: int) -> list[Run]:
-    from mlx_lm import load, stream_generate
+class PlainMlxLm:
+    """The model loaded in this process, generating as a user of `mlx_lm.stream_generate` would."""
 
-    model, tokenizer = load(str(model_dir))[:2]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-    runs = []
-    for _ in range(repeats + 1):  # the first run warms up
+    def __init__(self, model_dir: Path) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(model_dir))[:2]
+        self.prompt = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+        )
+
+    def run(self, tokens: int) -> Run:
+        from mlx_lm import stream_generate
+
         start = time.perf_counter()
         first = last = 0.0
         count = 0
-        for _ in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
+        for _ in stream_generate(self.model, self.tokenizer, self.prompt, max_tokens=tokens):
             last = time.perf_counter()
-            if count == 0:
-                first = last
+            first = first or last
             count += 1
-        runs.append(Run(first - start, _rate(count, first, last)))
-    return runs[1:]
+        return Run(first - start, _rate(count, first, last))
 
 
-def bench_shoal(base_url: str, model_id: str, tokens: int, repeats: int) -> list[Run]:
+def shoal_run(client: httpx.Client, base_url: str, model_id: str, tokens: int) -> Run:
     body = {
         "model": model_id,
         "messages": [{"role": "user", "content": PROMPT}],
@@ -66,24 +71,39 @@ def bench_shoal(base_url: str, model_id: str, tokens: int, repeats: int) -> list
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    runs = []
-    with httpx.Client(timeout=600) as client:
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            first = last = 0.0
-            completion_tokens = 0
-            with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        completion_tokens = chunk["usage"]["completion_tokens"]
-                    if any(c["delta"].get("content") for c in chunk["choices"]):
-                        last = time.perf_counter()
-                        first = first or last
-            runs.append(Run(first - start, _rate(completion_tokens, first, last)))
-    return runs[1:]
+    start = time.perf_counter()
+    first = last = 0.0
+    completion_tokens = 0
+    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            if any(c["delta"].get("content") for c in chunk["choices"]):
+                last = time.perf_counter()
+                first = first or last
+    return Run(first - start, _rate(completion_tokens, first, last))
+
+
+def compare(model_dir: Path, data_dir: Path, tokens: int, repeats: int) -> tuple[Run, Run]:
+    """Alternate the two paths run by run, so drifting background load hits both alike."""
+    plain = PlainMlxLm(model_dir)
+    node = start_node(data_dir=data_dir, model=str(model_dir))
+    plain_runs, shoal_runs = [], []
+    try:
+        assert node.model_id is not None
+        with httpx.Client(timeout=600) as client:
+            for i in range(repeats + 1):  # the first round warms both up
+                plain_run = plain.run(tokens)
+                api_run = shoal_run(client, node.base_url, node.model_id, tokens)
+                if i:
+                    plain_runs.append(plain_run)
+                    shoal_runs.append(api_run)
+    finally:
+        node.stop()
+    return _median(plain_runs), _median(shoal_runs)
 
 
 def _median(runs: list[Run]) -> Run:
@@ -109,13 +129,7 @@ def main() -> None:
         )
         print(f"{'model':<16} {'path':<22} {'TTFT ms':>9} {'decode tok/s':>13}")
         for name, model_dir in (("smollm2-135m", builtin), ("random-380mb", random_big)):
-            plain = _median(bench_mlx_lm(model_dir, args.tokens, args.repeats))
-            node = start_node(data_dir=Path(tmp) / "data", model=str(model_dir))
-            try:
-                assert node.model_id is not None
-                shoal = _median(bench_shoal(node.base_url, node.model_id, args.tokens, args.repeats))
-            finally:
-                node.stop()
+            plain, shoal = compare(model_dir, Path(tmp) / "data", args.tokens, args.repeats)
             for path, run in (("mlx_lm.stream_generate", plain), ("shoal API (stream)", shoal)):
                 print(f"{name:<16} {path:<22} {run.ttft_s * 1e3:>9.0f} {run.decode_tps:>13.2f}")
             print(
