@@ -9,6 +9,7 @@ from starlette.applications import Starlette
 
 from api.backend import Backend
 from api.chat import ChatRoutes
+from api.cluster import ClusterRoutes
 from api.errors import EXCEPTION_HANDLERS
 from api.models import ModelRoutes
 
@@ -26,5 +27,5 @@ def create_app(
 ) -> Starlette:
     """The OpenAI-compatible API over `backend`. Every error answers in OpenAI's error shape."""
     chat = ChatRoutes(backend, keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
-    routes = [*chat.routes(), *ModelRoutes(backend).routes()]
+    routes = [*chat.routes(), *ModelRoutes(backend).routes(), *ClusterRoutes(backend).routes()]
     return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from protocol.chat import GenerateRequest
+from protocol.cluster_view import ClusterView
 from protocol.events import ChunkEvent
 from protocol.ids import ModelId, RequestId
 
@@ -45,6 +46,10 @@ class Backend(Protocol):
 
     async def cancel(self, request_id: RequestId) -> bool:
         """Cancel an in-flight generation; False when no such request is running."""
+        ...
+
+    def cluster(self) -> ClusterView:
+        """This node's current picture of the cluster, for `GET /v1/cluster`."""
         ...
 
     def health(self) -> dict[str, Any]:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from api.backend import ModelCard
 from node.runner.supervisor import RunnerSupervisor
 from protocol.chat import GenerateRequest
+from protocol.cluster_view import ClusterView
 from protocol.events import ChunkEvent, GenerationError
 from protocol.ids import ModelId, RequestId
 
 
 class NodeBackend:
-    def __init__(self, runners: Sequence[RunnerSupervisor]) -> None:
+    def __init__(self, runners: Sequence[RunnerSupervisor], cluster: Callable[[], ClusterView]) -> None:
         self._runners: dict[ModelId, RunnerSupervisor] = {r.spec.model_id: r for r in runners}
         self._created = int(time.time())
+        self._cluster = cluster
+
+    def cluster(self) -> ClusterView:
+        return self._cluster()
 
     def models(self) -> Sequence[ModelCard]:
         return [

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from node.config import DEFAULT_MODEL, NodeConfig
 from node.models import ModelResolveError, default_data_dir, ensure_builtin_model, list_local_models
+from node.net.config import add_mesh_arguments, mesh_config_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,9 +50,15 @@ def _parser() -> argparse.ArgumentParser:
         help="prompt tokens per prefill chunk (default %(default)s)",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_mesh_arguments(run)
 
     models = sub.add_parser("models", help="list the models in the data dir")
     models.add_argument("--data-dir", type=Path, default=None)
+
+    status = sub.add_parser("status", help="show the cluster as one node sees it")
+    status.add_argument("--api", default=None, help="a node's API URL (default http://127.0.0.1:52415)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON, for scripts")
+    status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
 
     prepare = sub.add_parser("prepare", help="import the built-in model and the harmony vocab ahead of time")
     prepare.add_argument("--data-dir", type=Path, default=None)
@@ -77,8 +84,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.api_port < 0 or args.api_port > 65535:
         print(f"shoal: --api-port must be between 0 and 65535, got {args.api_port}", file=sys.stderr)
         return 2
+    data_dir = args.data_dir or default_data_dir()
+    try:
+        mesh = mesh_config_from_args(args, data_dir)
+    except (ValueError, OSError) as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
     config = NodeConfig(
-        data_dir=args.data_dir or default_data_dir(),
+        data_dir=data_dir,
+        mesh=mesh,
         model=None if args.no_model else args.model,
         api_host=args.api_host,
         api_port=args.api_port,
@@ -87,14 +101,36 @@ def _run(args: argparse.Namespace) -> int:
     try:
         trio.run(run_node, config)
     except BaseExceptionGroup as group:  # errors from inside the node's nursery
-        if (bind_error := group.subgroup(OSError)) is None:
+        if (os_errors := group.subgroup(OSError)) is None:
             raise
-        exc = bind_error.exceptions[0]
-        print(f"shoal: cannot serve the API on {config.api_host}:{config.api_port}: {exc}", file=sys.stderr)
+        print(
+            f"shoal: cannot listen (API {config.api_host}:{config.api_port}, p2p port "
+            f"{config.mesh.p2p_port}): {_first_leaf(os_errors)}",
+            file=sys.stderr,
+        )
         return 1
     except ModelResolveError as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _status(args: argparse.Namespace) -> int:
+    from node.status import DEFAULT_API, StatusError, show_status
+
+    try:
+        show_status(args.api or DEFAULT_API, as_json=args.json, watch=args.watch)
+    except StatusError as exc:
+        print(f"shoal status: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -124,7 +160,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"run": _run, "models": _models, "prepare": _prepare}
+    commands = {"run": _run, "models": _models, "status": _status, "prepare": _prepare}
     return commands[args.command](args)
 
 

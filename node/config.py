@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.net.config import MeshConfig
+
 DEFAULT_MODEL = "smollm2-135m"
 """The built-in model: small enough for any laptop, real enough to answer questions."""
 
@@ -12,7 +14,9 @@ DEFAULT_MODEL = "smollm2-135m"
 @dataclass(frozen=True)
 class NodeConfig:
     data_dir: Path
-    """Models, the harmony vocab and (later) the node identity live here."""
+    """Models, the harmony vocab and the node identity live here."""
+    mesh: MeshConfig
+    """How this node finds, admits and talks to its peers (cluster name, secret, ports, mDNS)."""
     model: str | None = DEFAULT_MODEL
     """A model reference (built-in name, folder, .gguf file or Hugging Face repo id); None serves nothing."""
     api_host: str = "0.0.0.0"

@@ -1,9 +1,11 @@
-"""`shoal run`: resolve the model, start its runner, serve the HTTP API; all on one trio loop."""
+"""`shoal run`: resolve the model, start its runner, join the mesh, serve the HTTP API; one trio loop."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import signal
+import time
 from pathlib import Path
 
 import trio
@@ -12,10 +14,14 @@ from hypercorn.trio import serve
 
 from api.app import create_app
 from node.backend import NodeBackend
+from node.cluster import MEMORY_ROUNDING, ClusterConfig, ClusterService
 from node.config import NodeConfig
 from node.models import resolve_model
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
+from node.net.mesh import Mesh
+from node.profile import compute_backend, read_profile
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile
 from protocol.ids import ModelId
 
 log = logging.getLogger("shoal")
@@ -40,6 +46,15 @@ def _hypercorn_config(config: NodeConfig) -> HypercornConfig:
     return hc
 
 
+def _public_api_url(bind: str, p2p_addrs: list[str]) -> str:
+    """The API URL other machines can use: a wildcard bind is replaced by an advertised p2p address."""
+    scheme, _, hostport = bind.partition("://")
+    host, _, port = hostport.rpartition(":")
+    if host in ("0.0.0.0", "[::]") and p2p_addrs:
+        host = p2p_addrs[0].split("/")[2]
+    return f"{scheme}://{host}:{port}"
+
+
 async def run_node(config: NodeConfig) -> None:
     """Run until SIGINT/SIGTERM; then stop the API and the runners within a second or two."""
     runners: list[RunnerSupervisor] = []
@@ -54,7 +69,29 @@ async def run_node(config: NodeConfig) -> None:
         )
         runners.append(RunnerSupervisor(spec))
         log.info("serving model %s from %s", resolved.name, resolved.path)
-    backend = NodeBackend(runners)
+    mesh = Mesh(config.mesh)
+    log.info("node id %s (cluster %r)", mesh.peer_id, config.mesh.cluster)
+    api_url = ""
+    started_at = time.time()
+    backend_kind = compute_backend()
+    version = importlib.metadata.version("shoal")
+
+    def profile() -> NodeProfile:
+        machine = read_profile(backend_kind)
+        return NodeProfile(
+            hostname=machine.hostname[:MAX_TEXT_CHARS],
+            os=machine.os[:MAX_TEXT_CHARS],
+            backend=machine.backend,
+            memory_total=machine.memory_total,
+            memory_available=machine.memory_available // MEMORY_ROUNDING * MEMORY_ROUNDING,
+            api_url=api_url,
+            version=version,
+            started_at=started_at,
+            multiaddrs=tuple(mesh.addrs()[:MAX_MULTIADDRS]),
+        )
+
+    cluster = ClusterService(mesh, profile, ClusterConfig(cluster=config.mesh.cluster))
+    backend = NodeBackend(runners, cluster=cluster.snapshot)
     app = create_app(backend, keepalive_s=config.keepalive_s)
 
     async with trio.open_nursery() as nursery:
@@ -63,6 +100,11 @@ async def run_node(config: NodeConfig) -> None:
         binds = await nursery.start(serve, app, _hypercorn_config(config))
         for bind in binds:
             log.info("API listening on %s", bind)
+        addrs = await nursery.start(mesh.run)
+        for addr in addrs:
+            log.info("p2p listening on %s", addr)
+        api_url = _public_api_url(binds[0], addrs)
+        await nursery.start(cluster.run)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s; shutting down", signal.Signals(signum).name)

@@ -12,3 +12,10 @@ ModelId = NewType("ModelId", str)
 def new_request_id() -> RequestId:
     """An OpenAI-looking completion id, unique enough to key in-flight requests."""
     return RequestId(f"chatcmpl-{secrets.token_hex(12)}")
+
+
+NodeId = NewType("NodeId", str)
+"""A node's libp2p peer id as text ("12D3KooW..."): stable across restarts when the key is kept on disk."""
+
+InstanceId = NewType("InstanceId", str)
+"""One placement of a model on the cluster, chosen by the leader that creates it."""

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 _LISTENING = re.compile(r"API listening on (http://\S+)")
+_P2P = re.compile(r"p2p listening on (/ip4/\S+)")
 _READY = re.compile(r"model (\S+) ready")
 
 
@@ -25,6 +26,7 @@ class RunningNode:
     process: subprocess.Popen[str]
     base_url: str
     model_id: str | None
+    p2p_addr: str = ""
     log: list[str] = field(default_factory=list)
     _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
 
@@ -48,6 +50,13 @@ class RunningNode:
 
     def health(self) -> dict[str, Any]:
         return httpx.get(f"{self.base_url}/health", timeout=10).json()
+
+    def cluster(self) -> dict[str, Any]:
+        return httpx.get(f"{self.base_url}/v1/cluster", timeout=10).json()
+
+    @property
+    def node_id(self) -> str:
+        return self.p2p_addr.rsplit("/", 1)[-1]
 
     def runner_pid(self) -> int:
         return int(self.health()["runners"][0]["pid"])
@@ -79,7 +88,8 @@ def start_node(
     `model` is a model reference, `DEFAULT` (no `--model` flag) or None (`--no-model`).
     """
     cmd = [sys.executable, "-m", "node.cli", "run", "--api-host", "127.0.0.1", "--api-port", "0"]
-    cmd += ["--data-dir", str(data_dir)]
+    # Loopback only, and no multicast on the machine's real interfaces (mDNS is tested in namespaces).
+    cmd += ["--p2p-host", "127.0.0.1", "--no-mdns", "--data-dir", str(data_dir)]
     if model is None:
         cmd.append("--no-model")
     elif model != DEFAULT:
@@ -104,6 +114,7 @@ def start_node(
     threading.Thread(target=pump, daemon=True).start()
     try:
         node.base_url = str(node.wait_for_log(_LISTENING, ready_timeout).group(1))
+        node.p2p_addr = str(node.wait_for_log(_P2P, ready_timeout).group(1))
         if model is not None:
             node.model_id = node.wait_for_log(_READY, ready_timeout).group(1)
     except BaseException:

@@ -1,0 +1,268 @@
+"""The trio driver of the mesh's pure cores: heartbeats, gossip, anti-entropy, failure detection, election.
+
+It owns this node's `ClusterState` and `View` and moves bytes through the `Mesh`; every decision is
+made by a pure function in `protocol/` (merge, `observe_state`/`tick`, `decide_leader`). Gossip is
+best effort (GossipSub drops silently), so each node also runs push-pull anti-entropy with one
+random peer every `anti_entropy_interval_s`, and at once with every newly connected peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from node.net.mesh import Mesh, RequestError
+from protocol.cluster import ClusterState
+from protocol.cluster_codec import (
+    Delta,
+    DigestReply,
+    DigestRequest,
+    WireDecodeError,
+    decode_message,
+    encode_delta,
+    encode_digest_reply,
+    encode_message,
+)
+from protocol.cluster_records import NodeProfile
+from protocol.cluster_view import ClusterView, InstanceView, MemberView, StageView
+from protocol.election import Decision, ElectionConfig, apply_decision, decide_leader, may_claim
+from protocol.ids import NodeId
+from protocol.membership import FailureDetectorConfig, Status, Transition, View, observe_state, tick
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+log = logging.getLogger("shoal.cluster")
+
+MEMORY_ROUNDING = 64 * 2**20
+"""Available memory is published in 64 MiB steps, so that small changes don't each cost a gossip message."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    cluster: str = "shoal"
+    detector: FailureDetectorConfig = field(default_factory=FailureDetectorConfig)
+    election: ElectionConfig = field(default_factory=ElectionConfig)
+    anti_entropy_interval_s: float = 1.0
+    """One push-pull round with a random peer per interval heals any lost gossip within seconds."""
+    leave_grace_s: float = 0.3
+    """On a clean shutdown, time given to the goodbye delta to leave before the host closes."""
+
+
+@dataclass
+class ClusterStats:
+    dropped_messages: int = 0
+    """Gossip or sync payloads that failed to decode (malformed, hostile, other schema)."""
+    anti_entropy_rounds: int = 0
+    gossip_bytes_out: int = 0
+
+
+class ClusterService:
+    def __init__(
+        self,
+        mesh: Mesh,
+        profile: Callable[[], NodeProfile],
+        config: ClusterConfig,
+        *,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.mesh = mesh
+        self.me = NodeId(mesh.peer_id)
+        self.config = config
+        self.stats = ClusterStats()
+        self._profile = profile
+        self._clock = clock
+        self.state = ClusterState.empty()
+        self.view = View.empty()
+        self.decision = Decision(None, 0, self.me, claim=False)
+        self._started_at = 0.0
+        self._changed = trio.Event()
+
+    # --- the service -------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._started_at = self._clock()
+        self.mesh.set_request_handler(self._answer)
+        await self._write(self.state.with_profile(self.me, self._profile()).with_heartbeat(self.me))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats)
+            nursery.start_soon(self._ticks)
+            nursery.start_soon(self._receive_gossip)
+            nursery.start_soon(self._anti_entropy)
+            nursery.start_soon(self._peer_events)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(2 * self.config.leave_grace_s):
+                    await self._write(self.state.with_leave(self.me))
+                    await trio.sleep(self.config.leave_grace_s)
+
+    async def wait_changed(self) -> None:
+        """Returns at the next change of the state or of the view (for tests and `--watch`-like loops)."""
+        await self._changed.wait()
+
+    # --- writing and merging -----------------------------------------------------------------
+    async def _write(self, new_state: ClusterState) -> None:
+        """Adopt a locally written state and gossip what changed."""
+        delta = new_state.delta_since(self.state)
+        self.state = new_state
+        self._notify()
+        if len(delta) == 0:
+            return
+        for payload in encode_delta(delta, self.mesh.config.max_gossip_bytes):
+            self.stats.gossip_bytes_out += len(payload)
+            await self.mesh.publish(payload)
+
+    async def _merge(self, remote: ClusterState) -> None:
+        merged = self.state.merge(remote)
+        if merged == self.state:
+            return
+        self.state = merged
+        self.view, changes = observe_state(self.view, merged, self.me, self._clock())
+        self._log(changes)
+        if merged.is_suspected(self.me):
+            log.info("refuting a suspicion of this node")
+            await self._write(self.state.with_heartbeat(self.me, self.view.suspects()))
+        await self._elect()
+        self._notify()
+
+    async def _elect(self) -> None:
+        now = self._clock()
+        claim = self.state.leader_claim()
+        decision = decide_leader(
+            self.view.live(),
+            [claim] if claim is not None else [],
+            self.me,
+            may_claim=may_claim(now, self._started_at, self.config.election),
+        )
+        if decision.leader != self.decision.leader and decision.leader is not None:
+            log.info("leader is %s (term %d)", decision.leader, decision.term)
+        self.decision = decision
+        if decision.claim:
+            await self._write(apply_decision(self.state, decision, self.me))
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _log(self, changes: list[Transition]) -> None:
+        for change in changes:
+            log.info("member %s: %s -> %s", change.node, change.before or "new", change.after)
+
+    # --- loops -------------------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.config.detector.heartbeat_interval_s)
+            state = self.state.with_profile(self.me, self._profile())
+            await self._write(state.with_heartbeat(self.me, self.view.suspects()))
+
+    async def _ticks(self) -> None:
+        while True:
+            await trio.sleep(self.config.detector.tick_interval_s)
+            self.view, changes = tick(self.view, self._clock(), self.config.detector)
+            self._log(changes)
+            await self._elect()
+            if changes:
+                self._notify()
+
+    async def _receive_gossip(self) -> None:
+        async for gossip in self.mesh.gossip:
+            message = self._decode(gossip.data)
+            if isinstance(message, Delta):
+                await self._merge(message.state)
+
+    async def _anti_entropy(self) -> None:
+        while True:
+            await trio.sleep(self.config.anti_entropy_interval_s)
+            peers = sorted(self.mesh.connected_peers())
+            if peers:
+                await self._sync_with(random.choice(peers))
+
+    async def _peer_events(self) -> None:
+        async for event in self.mesh.events:
+            if event.up:
+                await self._sync_with(event.peer_id)
+
+    async def _sync_with(self, peer_id: str) -> None:
+        """Push-pull: send our digest, merge what the peer says we lack, send what it lacks."""
+        self.stats.anti_entropy_rounds += 1
+        try:
+            answer = await self.mesh.request(peer_id, encode_message(DigestRequest(self.state.digest())))
+            reply = self._decode(answer)
+            if not isinstance(reply, DigestReply):
+                return
+            await self._merge(reply.delta)
+            missing = self.state.missing_for(reply.digest)
+            for payload in encode_delta(missing, self.mesh.config.max_request_bytes):
+                await self.mesh.request(peer_id, payload)
+        except RequestError as exc:
+            log.debug("anti-entropy with %s failed: %s", peer_id, exc)
+
+    async def _answer(self, peer_id: str, payload: bytes) -> bytes:
+        message = self._decode(payload)
+        if isinstance(message, DigestRequest):
+            return encode_digest_reply(self.state, message.digest, self.mesh.config.max_request_bytes)
+        if isinstance(message, Delta):
+            await self._merge(message.state)
+        return b""
+
+    def _decode(self, payload: bytes) -> Delta | DigestRequest | DigestReply | None:
+        try:
+            return decode_message(payload)
+        except WireDecodeError as exc:
+            self.stats.dropped_messages += 1
+            log.debug("dropped an undecodable cluster message: %s", exc)
+            return None
+
+    # --- what the API shows ------------------------------------------------------------------
+    def snapshot(self) -> ClusterView:
+        now = self._clock()
+        leader = self.decision.leader
+        members = []
+        for node, profile in sorted(self.state.profiles().items()):
+            if node == self.me:
+                status, last_seen = Status.ALIVE, None
+            else:
+                member = self.view.members.get(node)
+                status = member.status if member is not None else Status.UNKNOWN
+                last_seen = round(now - member.last_advance, 2) if member is not None else None
+            members.append(
+                MemberView(
+                    id=node,
+                    host=profile.hostname,
+                    role="leader" if node == leader else "follower",
+                    status=status.value,
+                    backend=profile.backend,
+                    os=profile.os,
+                    memory_total=profile.memory_total,
+                    memory_available=profile.memory_available,
+                    last_seen_s=last_seen,
+                    api_url=profile.api_url,
+                    version=profile.version,
+                    multiaddrs=profile.multiaddrs,
+                )
+            )
+        instances = [
+            InstanceView(
+                id=record.instance_id,
+                model=record.model,
+                stages=tuple(
+                    StageView(node_id=s.node, start_layer=s.start_layer, end_layer=s.end_layer)
+                    for s in record.stages
+                ),
+            )
+            for record in self.state.instances().values()
+        ]
+        return ClusterView(
+            cluster=self.config.cluster,
+            self=self.me,
+            leader=leader,
+            term=self.decision.term,
+            members=tuple(members),
+            instances=tuple(instances),
+        )

@@ -1,0 +1,346 @@
+"""The node's view of the network: authenticated peers, gossip, requests, connection events.
+
+`Mesh` owns the libp2p host (TCP + Noise + Yamux), admits only peers that prove the cluster key
+(`auth.py`), and gives the layer above a small byte-oriented interface:
+
+- gossip: `await mesh.publish(data)`; `mesh.gossip` yields `Gossip(peer_id, data)` for every
+  message of the cluster's GossipSub topic (never our own), best effort: GossipSub drops silently,
+  so the state above must converge by merge and anti-entropy;
+- requests: `await mesh.request(peer_id, payload) -> bytes` on `/shoal/sync/1.0.0`, served by the
+  handler given to `set_request_handler()`;
+- `mesh.events` yields `PeerEvent(peer_id, up)` when a peer becomes authenticated / loses its last
+  connection; `mesh.connected_peers()` is the authenticated set now.
+
+Nothing from a peer that has not passed authentication is ever delivered upward: its pubsub and
+sync streams wait for the verdict and are reset when refused, gossip it forwards is rejected.
+
+Measured on loopback, two meshes in one trio process on the 2-core machine (medians; 10
+connects, 200 small requests, 50 gossip messages):
+- connect (dial returns): 6.7 ms (max_connections_per_peer=1; ~250 ms without it);
+- authentication, connect -> both sides admitted: 15 ms;
+- request round trip, 100 B (new stream, frame, handler, answer, close): 3.7 ms; 64 KiB: 4.4 ms;
+- gossip publish -> delivered: 3.6 ms once the GossipSub mesh has formed, which takes one
+  heartbeat (~1 s) after the peers connect; until then publishes may be lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import multiaddr
+import trio
+from libp2p.abc import INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+from node.net import auth, quirks
+from node.net.admission import Admission
+from node.net.config import MeshConfig
+from node.net.discovery import Announcement, MdnsDiscovery
+from node.net.events import Gossip, MeshStats, PeerEvent
+from node.net.framing import FrameError, read_frame, write_frame
+from node.net.host import P2PHost, parse_peer_multiaddr
+from node.net.identity import load_or_create_identity
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+log = logging.getLogger("shoal.net")
+
+SYNC_PROTOCOL = TProtocol("/shoal/sync/1.0.0")
+STATUS_OK, STATUS_ERROR = 0, 1
+"""First byte of a response frame; ONLY APPEND new statuses."""
+_STREAM_ERRORS: tuple[type[BaseException], ...] = (FrameError, *quirks.TRANSPORT_ERRORS)
+"""A request/answer stream failed: the peer broke framing or the connection died."""
+
+
+class RequestError(Exception):
+    """A request failed: peer unavailable, transport failure, timeout, or the peer's handler failed."""
+
+
+class RemoteError(RequestError):
+    """The peer answered with an error (no handler, handler raised, response too large)."""
+
+
+RequestHandler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+class Mesh:
+    def __init__(self, config: MeshConfig, key_pair: KeyPair | None = None) -> None:
+        quirks.route_libp2p_logging()
+        self.config = config
+        key_pair = key_pair or load_or_create_identity(config.data_dir)
+        self._p2p = P2PHost(
+            key_pair,
+            connection_config=quirks.connection_config(
+                health_check_interval_s=config.health_check_interval_s, ping_timeout_s=config.ping_timeout_s
+            ),
+            listen_host=config.listen_host,
+            port=config.p2p_port,
+            advertise_ips=config.advertise_ips,
+        )
+        self.host = self._p2p.host
+        quirks.disable_auto_connector(self.host)
+        quirks.no_internal_retries(self.host)
+        self.peer_id = self._p2p.peer_id
+        self.stats = MeshStats()
+        self.topic = f"/shoal/{config.cluster}/gossip/1"
+        self._handler: RequestHandler | None = None
+        self._request_limiter = trio.CapacityLimiter(config.max_concurrent_requests)
+        self._nursery: trio.Nursery | None = None
+        self._known: dict[str, list[str]] = {}
+        """Peer id -> multiaddrs (with /p2p) we keep dialing while it is disconnected."""
+        self._bootstrap: set[str] = set()
+        self._dialers: dict[str, trio.CancelScope] = {}
+        self._gossip_send, self.gossip = trio.open_memory_channel[Gossip](config.gossip_buffer)
+        self._event_send, self.events = trio.open_memory_channel[PeerEvent](config.event_buffer)
+
+        self._router = quirks.gossip_router(
+            degree=config.gossip_degree,
+            degree_low=config.gossip_degree_low,
+            degree_high=config.gossip_degree_high,
+            heartbeat_s=config.gossip_heartbeat_s,
+        )
+        self._admission = Admission(
+            host=self.host,
+            my_id=self._p2p.id,
+            key=auth.derive_key(config.cluster, config.secret),
+            config=config,
+            stats=self.stats,
+            emit=self._emit,
+        )
+        self._book = self._admission.book
+        self._pubsub = Pubsub(self.host, self._router, allowed_topics={self.topic})
+        quirks.gate_pubsub(self.host, self._pubsub, self._admission.wait_admitted)
+        self._pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
+        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync)
+        for peer in config.bootstrap_peers:
+            info = parse_peer_multiaddr(peer)
+            self._bootstrap.add(info.peer_id.to_base58())
+            self._known.setdefault(info.peer_id.to_base58(), []).append(peer)
+
+    # --- the service ---------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, join the gossip topic, dial bootstrap peers, run mDNS; started with our addrs."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._admission.attach(nursery)
+                addrs: list[str] = await nursery.start(self._p2p.run)
+                async with background_trio_service(self._pubsub), background_trio_service(self._router):
+                    await self._pubsub.wait_until_ready()
+                    subscription = await self._pubsub.subscribe(self.topic)
+                    nursery.start_soon(self._pump_gossip, subscription)
+                    for peer_id in self._known:
+                        self._ensure_dialer(peer_id, delay=0.0)
+                    if self.config.mdns:
+                        await nursery.start(self._discovery(addrs).run)
+                    task_status.started(addrs)
+                    await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self._admission.attach(None)
+
+    def addrs(self) -> list[str]:
+        return self._p2p.addrs()
+
+    def connected_peers(self) -> frozenset[str]:
+        """Peers authenticated now (each has at least one open connection)."""
+        return self._book.authenticated_peers()
+
+    def known_peers(self) -> dict[str, list[str]]:
+        """Peers we dial when disconnected (bootstrap, `add_peer`, mDNS) and their multiaddrs."""
+        return {peer_id: list(addrs) for peer_id, addrs in self._known.items()}
+
+    def set_request_handler(self, handler: RequestHandler) -> None:
+        """`await handler(peer_id, payload) -> response`; only authenticated peers reach it."""
+        self._handler = handler
+
+    def add_peer(self, peer_multiaddr: str) -> None:
+        """Dial a peer (`/ip4/.../tcp/.../p2p/ID`) now and again whenever it is disconnected."""
+        peer_id = parse_peer_multiaddr(peer_multiaddr).peer_id.to_base58()
+        self._bootstrap.add(peer_id)
+        if peer_multiaddr not in self._known.setdefault(peer_id, []):
+            self._known[peer_id].append(peer_multiaddr)
+        if self._nursery is not None:
+            self._ensure_dialer(peer_id, delay=0.0)
+
+    # --- gossip --------------------------------------------------------------------------------
+    async def publish(self, data: bytes) -> None:
+        """Gossip `data` to the cluster, best effort. ValueError if over `max_gossip_bytes`."""
+        if len(data) > self.config.max_gossip_bytes:
+            raise ValueError(f"gossip of {len(data)} bytes exceeds max_gossip_bytes; use a request")
+        await self._pubsub.publish(self.topic, data)
+
+    def _validate_gossip(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        ok = (forwarder == self._p2p.id or self._book.is_authenticated(forwarder.to_base58())) and len(
+            msg.data
+        ) <= self.config.max_gossip_bytes
+        if not ok:
+            self.stats.gossip_rejected += 1
+        return ok
+
+    async def _pump_gossip(self, subscription: Any) -> None:
+        async for msg in subscription:
+            origin = ID(msg.from_id)
+            if origin == self._p2p.id:
+                continue  # pubsub hands us our own publishes too
+            try:
+                self._gossip_send.send_nowait(Gossip(origin.to_base58(), bytes(msg.data)))
+                self.stats.gossip_delivered += 1
+            except trio.WouldBlock:
+                self.stats.gossip_dropped += 1
+
+    # --- requests ------------------------------------------------------------------------------
+    async def request(self, peer_id: str, payload: bytes) -> bytes:
+        """Send `payload` to an authenticated peer's handler and return its answer.
+
+        Bounded by `request_timeout_s` (wrap it in a tighter cancel scope if needed). Raises
+        RequestError (RemoteError when the peer answered with an error); ValueError when
+        `payload` exceeds `max_request_bytes`.
+        """
+        if len(payload) > self.config.max_request_bytes:
+            raise ValueError(f"request of {len(payload)} bytes exceeds max_request_bytes")
+        if not self._book.is_authenticated(peer_id):
+            raise RequestError(f"peer {peer_id} is not connected")
+        try:
+            with trio.fail_after(self.config.request_timeout_s):
+                stream = await self.host.new_stream(ID.from_base58(peer_id), [SYNC_PROTOCOL])
+                try:
+                    await write_frame(stream, payload)
+                    answer = await read_frame(stream, self.config.max_request_bytes + 1)
+                finally:
+                    await quirks.close_quietly(stream)
+        except trio.TooSlowError as exc:
+            raise RequestError(f"request to {peer_id} timed out") from exc
+        except _STREAM_ERRORS as exc:
+            raise RequestError(f"request to {peer_id} failed: {exc!r}") from exc
+        if not answer or answer[0] not in (STATUS_OK, STATUS_ERROR):
+            raise RequestError(f"malformed answer from {peer_id}")
+        if answer[0] == STATUS_ERROR:
+            raise RemoteError(f"{peer_id}: {answer[1:].decode(errors='replace')}")
+        return answer[1:]
+
+    async def _serve_sync(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        if not await self._admission.wait_admitted(peer):
+            await quirks.reset_quietly(stream)
+            return
+        reading = True
+        async with self._request_limiter:
+            with trio.move_on_after(self.config.request_timeout_s) as scope:
+                try:
+                    payload = await read_frame(stream, self.config.max_request_bytes)
+                except _STREAM_ERRORS as exc:
+                    self.stats.bad_frames += 1
+                    log.debug("dropped a request from %s: %r", peer, exc)
+                    await quirks.reset_quietly(stream)
+                    return
+                reading = False
+                answer = await self._answer(peer.to_base58(), payload)
+                try:
+                    await write_frame(stream, answer)
+                except quirks.TRANSPORT_ERRORS as exc:
+                    log.debug("could not answer %s: %r", peer, exc)
+            if scope.cancelled_caught:
+                if reading:  # the peer stalled mid-request
+                    self.stats.bad_frames += 1
+                else:
+                    log.warning("request from %s not answered within request_timeout_s", peer)
+                await quirks.reset_quietly(stream)
+                return
+        await quirks.close_quietly(stream)
+
+    async def _answer(self, peer_id: str, payload: bytes) -> bytes:
+        self.stats.requests_served += 1
+        if self._handler is None:
+            return bytes([STATUS_ERROR]) + b"no request handler"
+        try:
+            response = await self._handler(peer_id, payload)
+        except Exception as exc:  # the handler is the layer above's code: answer, log, carry on
+            log.exception("request handler failed for a request from %s", peer_id)
+            return bytes([STATUS_ERROR]) + f"handler failed: {type(exc).__name__}".encode()
+        if len(response) > self.config.max_request_bytes:
+            log.error("request handler answered %d bytes (> max_request_bytes)", len(response))
+            return bytes([STATUS_ERROR]) + b"response too large"
+        return bytes([STATUS_OK]) + response
+
+    def _emit(self, event: PeerEvent) -> None:
+        try:
+            self._event_send.send_nowait(event)
+        except trio.WouldBlock:
+            self.stats.events_dropped += 1
+            log.warning("peer event dropped (nobody reads mesh.events?): %s", event)
+
+    # --- staying connected ---------------------------------------------------------------------
+    def _ensure_dialer(self, peer_id: str, delay: float) -> None:
+        if peer_id == self.peer_id or peer_id in self._dialers or self._nursery is None:
+            return
+        scope = trio.CancelScope()
+        self._dialers[peer_id] = scope
+        self._nursery.start_soon(self._keep_connected, peer_id, scope, delay)
+
+    async def _keep_connected(self, peer_id: str, scope: trio.CancelScope, delay: float) -> None:
+        """Dial `peer_id` whenever it is disconnected, at most once per backoff period."""
+        config, peer = self.config, ID.from_base58(peer_id)
+        backoff, next_dial = config.redial_min_s, trio.current_time() + delay
+        try:
+            with scope:
+                while addrs := self._known.get(peer_id):
+                    now = trio.current_time()
+                    if self._book.connections(peer_id) > 0:
+                        if self._book.is_authenticated(peer_id):
+                            backoff = config.redial_min_s
+                        await self._admission.changed.wait()
+                        continue
+                    wait_until = max(next_dial, self._book.refused_until(peer_id))
+                    if wait_until > now:
+                        with trio.move_on_at(wait_until):
+                            await self._admission.changed.wait()  # also wakes when it connects to us
+                        continue
+                    next_dial = now + backoff * random.uniform(0.8, 1.2)
+                    backoff = min(backoff * 2, config.redial_max_s)
+                    try:
+                        await quirks.dial(
+                            self.host, peer, [multiaddr.Multiaddr(a) for a in addrs], config.dial_timeout_s
+                        )
+                    except quirks.DialError as exc:
+                        self.stats.dial_failures += 1
+                        log.debug("dialing %s failed: %s", peer_id, exc)
+        finally:
+            if self._dialers.get(peer_id) is scope:
+                del self._dialers[peer_id]
+
+    def _discovery(self, addrs: list[str]) -> MdnsDiscovery:
+        plain = [a.removesuffix(f"/p2p/{self.peer_id}") for a in addrs]
+        return MdnsDiscovery(
+            me=Announcement(self.peer_id, self.config.cluster, tuple(plain)),
+            interfaces=self._p2p.advertise_ips,
+            port=self._p2p.port,
+            on_found=self._mdns_found,
+            on_lost=self._mdns_lost,
+            on_ignored=self._mdns_ignored,
+        )
+
+    def _mdns_found(self, announcement: Announcement) -> None:
+        peer_id = announcement.peer_id
+        if peer_id not in self._bootstrap:
+            self._known[peer_id] = announcement.peer_addrs()
+        # The lower id dials at once; the higher waits, so mutual discovery makes one connection.
+        self._ensure_dialer(peer_id, delay=0.0 if self.peer_id < peer_id else self.config.mdns_dial_delay_s)
+
+    def _mdns_ignored(self, announcement: Announcement) -> None:
+        self.stats.mdns_other_clusters += 1
+
+    def _mdns_lost(self, peer_id: str) -> None:
+        if peer_id not in self._bootstrap:
+            self._known.pop(peer_id, None)
+            if (scope := self._dialers.get(peer_id)) is not None:
+                scope.cancel()

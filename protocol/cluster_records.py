@@ -1,0 +1,256 @@
+"""The records of the cluster state, their owners and their size limits. Pure values, no I/O.
+
+Every record lives under a key `(kind, id)` and is wrapped in an `Entry` that says who wrote it
+(`owner`) and at which `version`. Two kinds are owned by a node (its profile and its liveness claim,
+keyed by the node's id); two are owned by the leader (the leader claim, a singleton, and one record
+per instance). See `protocol.cluster` for how entries merge.
+
+The limits below are enforced when a record is built, so a state never holds a record that the wire
+codec (`protocol.cluster_codec`) would refuse: what one node writes, every node can decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from protocol.ids import InstanceId, ModelId, NodeId
+
+# Size limits: named so the codec, the writers and the tests agree on them.
+MAX_ID_CHARS = 128
+"""Node ids (a peer id is ~52 chars), instance ids."""
+MAX_TEXT_CHARS = 256
+"""Hostname, os, backend, software version, model id."""
+MAX_URL_CHARS = 512
+"""The API URL and each multiaddr."""
+MAX_MULTIADDRS = 16
+"""Addresses one node advertises (IPv4 + IPv6 x a few interfaces fits easily)."""
+MAX_STAGES = 256
+"""Pipeline stages of one instance (at most one per layer of any model we serve)."""
+MAX_SUSPECTS = 64
+"""Members one liveness record may name as suspected; more are dropped (suspicion is only a hint)."""
+MAX_INT = 2**63 - 1
+"""Every counter, size and layer index fits in a signed 64-bit integer."""
+
+
+class RecordKind(IntEnum):
+    """What a record is; the value is its wire tag. ONLY APPEND TO THIS LIST."""
+
+    PROFILE = 1
+    LIVENESS = 2
+    LEADER = 3
+    INSTANCE = 4
+
+
+NODE_KINDS = (RecordKind.PROFILE, RecordKind.LIVENESS)
+"""Kinds keyed and owned by one node: only that node writes them."""
+LEADER_KEY_ID = ""
+"""The id of the single `LEADER` record."""
+
+RecordKey = tuple[RecordKind, str]
+Version = tuple[int, int]
+"""(incarnation, counter) for node-owned records; (term, counter) for leader-owned ones."""
+Stamp = tuple[int, int, int]
+"""A version plus a 63-bit hash of (owner, value): the total order entries merge by."""
+
+
+class RecordError(ValueError):
+    """A record breaks its own rules (a size limit, a negative counter, non-contiguous stages)."""
+
+
+def _check_text(name: str, value: str, limit: int, *, allow_empty: bool = True) -> None:
+    if not isinstance(value, str):
+        raise RecordError(f"{name} must be text, not {type(value).__name__}")
+    if len(value) > limit:
+        raise RecordError(f"{name} of {len(value)} chars exceeds {limit}")
+    if not allow_empty and not value:
+        raise RecordError(f"{name} must not be empty")
+
+
+def _check_int(name: str, value: int) -> None:
+    if type(value) is not int:
+        raise RecordError(f"{name} must be an integer, not {type(value).__name__}")
+    if not 0 <= value <= MAX_INT:
+        raise RecordError(f"{name} {value} is out of range [0, {MAX_INT}]")
+
+
+def check_node_id(name: str, value: str) -> None:
+    _check_text(name, value, MAX_ID_CHARS, allow_empty=False)
+
+
+def check_version(version: Version) -> None:
+    _check_int("version[0]", version[0])
+    _check_int("version[1]", version[1])
+
+
+@dataclass(frozen=True, slots=True)
+class NodeProfile:
+    """What a node says about itself. Owned by that node; rewritten only when it changes."""
+
+    hostname: str
+    os: str
+    backend: str
+    """Where the model runs: "cpu", "metal", "cuda"."""
+    memory_total: int
+    """Bytes."""
+    memory_available: int
+    """Bytes; round it before writing, or every small change becomes a gossip message."""
+    api_url: str
+    version: str
+    """Shoal's version on that node."""
+    started_at: float
+    """Wall-clock seconds since the epoch, for display only: liveness never compares remote clocks."""
+    multiaddrs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_text("hostname", self.hostname, MAX_TEXT_CHARS)
+        _check_text("os", self.os, MAX_TEXT_CHARS)
+        _check_text("backend", self.backend, MAX_TEXT_CHARS)
+        _check_int("memory_total", self.memory_total)
+        _check_int("memory_available", self.memory_available)
+        _check_text("api_url", self.api_url, MAX_URL_CHARS)
+        _check_text("version", self.version, MAX_TEXT_CHARS)
+        if type(self.started_at) is not float or not math.isfinite(self.started_at):
+            raise RecordError("started_at must be a finite float")
+        if not isinstance(self.multiaddrs, tuple) or len(self.multiaddrs) > MAX_MULTIADDRS:
+            raise RecordError(f"multiaddrs must be a tuple of at most {MAX_MULTIADDRS}")
+        for addr in self.multiaddrs:
+            _check_text("multiaddr", addr, MAX_URL_CHARS, allow_empty=False)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Suspicion:
+    """`node` at `incarnation` has not been heard from lately (by the owner of the liveness record)."""
+
+    node: NodeId
+    incarnation: int
+
+    def __post_init__(self) -> None:
+        check_node_id("suspected node", self.node)
+        _check_int("suspected incarnation", self.incarnation)
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """A node's claim to be alive. Its version (incarnation, counter) is the heartbeat.
+
+    `left` is a clean goodbye: observers mark the node left at once instead of suspecting it.
+    `suspects` lists who the owner currently suspects, so that a suspected node hears of it and refutes
+    it by bumping its incarnation (see `ClusterState.with_heartbeat`).
+    """
+
+    left: bool = False
+    suspects: tuple[Suspicion, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.left) is not bool:
+            raise RecordError("left must be a bool")
+        if not isinstance(self.suspects, tuple) or len(self.suspects) > MAX_SUSPECTS:
+            raise RecordError(f"suspects must be a tuple of at most {MAX_SUSPECTS}")
+        for suspicion in self.suspects:
+            if not isinstance(suspicion, Suspicion):
+                raise RecordError("suspects must hold Suspicion values")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderClaim:
+    """`node` leads the cluster for `term`. Stored once, under the `LEADER` key, at version (term, 0)."""
+
+    node: NodeId
+    term: int
+
+    def __post_init__(self) -> None:
+        check_node_id("leader", self.node)
+        _check_int("term", self.term)
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    """Layers [start_layer, end_layer) of an instance run on `node`."""
+
+    node: NodeId
+    start_layer: int
+    end_layer: int
+
+    def __post_init__(self) -> None:
+        check_node_id("stage node", self.node)
+        _check_int("start_layer", self.start_layer)
+        _check_int("end_layer", self.end_layer)
+        if self.start_layer >= self.end_layer:
+            raise RecordError(f"empty stage [{self.start_layer}, {self.end_layer})")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """One placement of a model: its pipeline stages, in order and contiguous. Written by the leader."""
+
+    instance_id: InstanceId
+    model: ModelId
+    stages: tuple[StageAssignment, ...]
+
+    def __post_init__(self) -> None:
+        check_node_id("instance_id", self.instance_id)
+        _check_text("model", self.model, MAX_TEXT_CHARS, allow_empty=False)
+        if not isinstance(self.stages, tuple) or not 1 <= len(self.stages) <= MAX_STAGES:
+            raise RecordError(f"an instance has 1 to {MAX_STAGES} stages")
+        for before, after in zip(self.stages, self.stages[1:], strict=False):
+            if after.start_layer != before.end_layer:
+                raise RecordError("stages must be contiguous and in layer order")
+
+
+RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord
+VALUE_TYPES: dict[RecordKind, type] = {
+    RecordKind.PROFILE: NodeProfile,
+    RecordKind.LIVENESS: Liveness,
+    RecordKind.LEADER: LeaderClaim,
+    RecordKind.INSTANCE: InstanceRecord,
+}
+
+
+def _value_hash(owner: NodeId, value: RecordValue | None) -> int:
+    # repr of these frozen dataclasses (str, int, float, bool, tuples) is deterministic across
+    # processes and platforms; a change of fields is a schema change, so mixed reprs never meet.
+    text = repr((owner, value)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1  # <= MAX_INT
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A record as stored: who wrote it, at which version; `value=None` is a tombstone (a delete)."""
+
+    owner: NodeId
+    version: Version
+    value: RecordValue | None
+    stamp: Stamp = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_node_id("owner", self.owner)
+        check_version(self.version)
+        object.__setattr__(
+            self, "stamp", (self.version[0], self.version[1], _value_hash(self.owner, self.value))
+        )
+
+
+def check_entry(key: RecordKey, entry: Entry) -> None:
+    """The rules tying a key to its entry; what a peer sends must pass them (see the codec).
+
+    A node-owned record must be owned by the node it is keyed by; the leader claim must be owned by
+    the node it names, at version (term, 0); an instance must be keyed by its own id.
+    """
+    kind, key_id = key
+    _check_text("key id", key_id, MAX_ID_CHARS)
+    value = entry.value
+    if value is not None and not isinstance(value, VALUE_TYPES[kind]):
+        raise RecordError(f"a {kind.name} key holds a {type(value).__name__}")
+    if kind in NODE_KINDS:
+        if entry.owner != key_id:
+            raise RecordError(f"{kind.name} of {key_id!r} written by {entry.owner!r}")
+    elif kind is RecordKind.LEADER:
+        if key_id != LEADER_KEY_ID:
+            raise RecordError("the leader claim has a single key")
+        if isinstance(value, LeaderClaim) and (value.node != entry.owner or entry.version != (value.term, 0)):
+            raise RecordError("a leader claim is written by its node at version (term, 0)")
+    elif isinstance(value, InstanceRecord) and value.instance_id != key_id:
+        raise RecordError(f"instance {value.instance_id!r} stored under {key_id!r}")

@@ -1,0 +1,164 @@
+"""Real `shoal run` processes on 127.0.0.1 as a cluster: agreement, failures, admission, `shoal status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.nodes import RunningNode, start_node
+
+SECRET = {"SHOAL_CLUSTER_SECRET": "correct horse battery staple"}
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> float:
+    """Poll `check` (every 50 ms, at most `timeout` s) until it is truthy; returns the seconds it took."""
+    start = time.monotonic()
+    last: Any = None
+    while (elapsed := time.monotonic() - start) < timeout:
+        try:
+            if last := check():
+                return elapsed
+        except Exception as exc:  # a node may be restarting: keep polling until the deadline
+            last = exc
+        time.sleep(0.05)
+    raise AssertionError(f"not {what} within {timeout}s (last: {last!r})")
+
+
+def statuses(node: RunningNode) -> dict[str, str]:
+    return {m["id"]: m["status"] for m in node.cluster()["members"]}
+
+
+def agreed_leader(nodes: list[RunningNode]) -> str | None:
+    """The leader every node names, once all see all the others alive; None before that."""
+    ids = {n.node_id for n in nodes}
+    views = [n.cluster() for n in nodes]
+    for view in views:
+        alive = {m["id"] for m in view["members"] if m["status"] == "alive"}
+        if alive != ids:
+            return None
+    leaders = {(v["leader"], v["term"]) for v in views}
+    return views[0]["leader"] if len(leaders) == 1 and views[0]["leader"] else None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNode]]:
+    first = start_node(data_dir=tmp_path_factory.mktemp("n0"), model=None, env=SECRET)
+    nodes = [first]
+    try:
+        for i in (1, 2):
+            data = tmp_path_factory.mktemp(f"n{i}")
+            nodes.append(start_node("--peer", first.p2p_addr, data_dir=data, model=None, env=SECRET))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.process.send_signal(signal.SIGCONT)
+            node.stop()
+
+
+def test_three_nodes_agree_on_members_and_leader(cluster: list[RunningNode]) -> None:
+    elapsed = wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
+    leader = agreed_leader(cluster)
+    assert leader == min(n.node_id for n in cluster)  # the rule: smallest live id
+    for node in cluster:
+        view = node.cluster()
+        assert view["self"] == node.node_id
+        member = next(m for m in view["members"] if m["id"] == node.node_id)
+        assert member["multiaddrs"] == [node.p2p_addr] and member["api_url"] == node.base_url
+        roles = {m["id"]: m["role"] for m in view["members"]}
+        assert [i for i, r in roles.items() if r == "leader"] == [leader]
+    print(f"3 nodes agreed {elapsed:.2f}s after the last one started")
+
+
+def test_status_cli_shows_the_cluster(cluster: list[RunningNode]) -> None:
+    wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
+    shoal = [sys.executable, "-m", "node.cli", "status", "--api", cluster[1].base_url]
+    table = subprocess.run(
+        shoal, capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"}
+    )
+    assert table.returncode == 0, table.stderr
+    for node in cluster:
+        assert node.node_id[-8:] in table.stdout
+    assert "leader" in table.stdout and "alive" in table.stdout
+    raw = subprocess.run([*shoal, "--json"], capture_output=True, text=True, timeout=30)
+    view = json.loads(raw.stdout)
+    assert {m["id"] for m in view["members"]} == {n.node_id for n in cluster}
+
+    nobody = subprocess.run(
+        [sys.executable, "-m", "node.cli", "status", "--api", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert nobody.returncode == 1
+    assert "no Shoal node answers at http://127.0.0.1:9" in nobody.stderr and "Traceback" not in nobody.stderr
+
+
+def test_node_with_wrong_secret_cannot_join(cluster: list[RunningNode], tmp_path: Path) -> None:
+    intruder = start_node(
+        "--peer",
+        cluster[0].p2p_addr,
+        data_dir=tmp_path,
+        model=None,
+        env={"SHOAL_CLUSTER_SECRET": "wrong"},
+    )
+    try:
+        intruder.wait_for_log("authentication .*failed|refus", timeout=15)
+        # Give gossip and anti-entropy several rounds to (wrongly) carry it anywhere.
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for node in cluster:
+                assert intruder.node_id not in statuses(node)
+            time.sleep(0.2)
+        assert set(statuses(intruder)) == {intruder.node_id}
+    finally:
+        intruder.stop()
+
+
+def test_stopped_node_is_marked_dead_then_alive_again(cluster: list[RunningNode]) -> None:
+    wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
+    leader = agreed_leader(cluster)
+    follower = next(n for n in cluster if n.node_id != leader)
+    watcher = next(n for n in cluster if n is not follower)
+    follower.process.send_signal(signal.SIGSTOP)
+    try:
+        took = wait_until(lambda: statuses(watcher)[follower.node_id] == "dead", 10, "marked dead")
+        print(f"SIGSTOPped node marked dead after {took:.2f}s")
+    finally:
+        follower.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: statuses(watcher)[follower.node_id] == "alive", 15, "alive again after SIGCONT")
+    wait_until(lambda: agreed_leader(cluster) == leader, 15, "back to the same leader")
+
+
+def test_killed_leader_is_replaced(cluster: list[RunningNode]) -> None:
+    wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
+    leader_id = agreed_leader(cluster)
+    leader = next(n for n in cluster if n.node_id == leader_id)
+    survivors = [n for n in cluster if n is not leader]
+    term = survivors[0].cluster()["term"]
+    leader.process.kill()
+    killed = time.monotonic()
+
+    def new_leader() -> bool:
+        views = [s.cluster() for s in survivors]
+        return (
+            all(
+                statuses(s)[leader_id] == "dead" and v["leader"] not in (None, leader_id) and v["term"] > term
+                for s, v in zip(survivors, views, strict=True)
+            )
+            and len({v["leader"] for v in views}) == 1
+        )
+
+    wait_until(new_leader, 10, "a new agreed leader")
+    took = time.monotonic() - killed
+    assert survivors[0].cluster()["leader"] == min(s.node_id for s in survivors)
+    print(f"new leader agreed {took:.2f}s after kill -9 of the old one")
+    assert took < 6
