@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import asdict
 from typing import Any
 
 from api.backend import ModelCard
+from node.cluster import ClusterService
 from node.runner.supervisor import RunnerSupervisor
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView
@@ -16,13 +18,13 @@ from protocol.ids import ModelId, RequestId
 
 
 class NodeBackend:
-    def __init__(self, runners: Sequence[RunnerSupervisor], cluster: Callable[[], ClusterView]) -> None:
+    def __init__(self, runners: Sequence[RunnerSupervisor], cluster: ClusterService) -> None:
         self._runners: dict[ModelId, RunnerSupervisor] = {r.spec.model_id: r for r in runners}
         self._created = int(time.time())
         self._cluster = cluster
 
     def cluster(self) -> ClusterView:
-        return self._cluster()
+        return self._cluster.snapshot()
 
     def models(self) -> Sequence[ModelCard]:
         return [
@@ -54,7 +56,11 @@ class NodeBackend:
         return False
 
     def health(self) -> dict[str, Any]:
-        return {"runners": [runner.health() for runner in self._runners.values()]}
+        return {
+            "runners": [runner.health() for runner in self._runners.values()],
+            "cluster": asdict(self._cluster.stats),
+            "mesh": asdict(self._cluster.mesh.stats),
+        }
 
 
 @asynccontextmanager

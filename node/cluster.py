@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from node.net.host import PeerAddrError
 from node.net.mesh import Mesh, RequestError
 from protocol.cluster import ClusterState
 from protocol.cluster_codec import (
@@ -60,6 +61,9 @@ class ClusterStats:
     """Gossip or sync payloads that failed to decode (malformed, hostile, other schema)."""
     anti_entropy_rounds: int = 0
     gossip_bytes_out: int = 0
+    """Deltas published on the gossip topic."""
+    sync_bytes_out: int = 0
+    """Anti-entropy requests and answers sent (digests and deltas)."""
 
 
 class ClusterService:
@@ -123,6 +127,7 @@ class ClusterService:
         if merged == self.state:
             return
         self.state = merged
+        self._connect_to_members()
         self.view, changes = observe_state(self.view, merged, self.me, self._clock())
         self._log(changes)
         if merged.is_suspected(self.me):
@@ -130,6 +135,21 @@ class ClusterService:
             await self._write(self.state.with_heartbeat(self.me, self.view.suspects()))
         await self._elect()
         self._notify()
+
+    def _connect_to_members(self) -> None:
+        """Dial every member the state names that the mesh doesn't know yet: a full mesh, so that the
+        loss of one node (say, the bootstrap peer everyone dialed) never splits the others."""
+        known = self.mesh.known_peers()
+        for node, profile in self.state.profiles().items():
+            if node == self.me or node in known:
+                continue
+            for addr in profile.multiaddrs:
+                if not addr.endswith(f"/p2p/{node}"):
+                    continue  # an address that isn't the member's own is never dialed
+                try:
+                    self.mesh.add_peer(addr)
+                except PeerAddrError as exc:
+                    log.debug("member %s advertises an unusable address: %s", node, exc)
 
     async def _elect(self) -> None:
         now = self._clock()
@@ -192,21 +212,27 @@ class ClusterService:
         """Push-pull: send our digest, merge what the peer says we lack, send what it lacks."""
         self.stats.anti_entropy_rounds += 1
         try:
-            answer = await self.mesh.request(peer_id, encode_message(DigestRequest(self.state.digest())))
+            answer = await self._request(peer_id, encode_message(DigestRequest(self.state.digest())))
             reply = self._decode(answer)
             if not isinstance(reply, DigestReply):
                 return
             await self._merge(reply.delta)
             missing = self.state.missing_for(reply.digest)
             for payload in encode_delta(missing, self.mesh.config.max_request_bytes):
-                await self.mesh.request(peer_id, payload)
+                await self._request(peer_id, payload)
         except RequestError as exc:
             log.debug("anti-entropy with %s failed: %s", peer_id, exc)
+
+    async def _request(self, peer_id: str, payload: bytes) -> bytes:
+        self.stats.sync_bytes_out += len(payload)
+        return await self.mesh.request(peer_id, payload)
 
     async def _answer(self, peer_id: str, payload: bytes) -> bytes:
         message = self._decode(payload)
         if isinstance(message, DigestRequest):
-            return encode_digest_reply(self.state, message.digest, self.mesh.config.max_request_bytes)
+            reply = encode_digest_reply(self.state, message.digest, self.mesh.config.max_request_bytes)
+            self.stats.sync_bytes_out += len(reply)
+            return reply
         if isinstance(message, Delta):
             await self._merge(message.state)
         return b""

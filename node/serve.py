@@ -91,7 +91,7 @@ async def run_node(config: NodeConfig) -> None:
         )
 
     cluster = ClusterService(mesh, profile, ClusterConfig(cluster=config.mesh.cluster))
-    backend = NodeBackend(runners, cluster=cluster.snapshot)
+    backend = NodeBackend(runners, cluster=cluster)
     app = create_app(backend, keepalive_s=config.keepalive_s)
 
     async with trio.open_nursery() as nursery:

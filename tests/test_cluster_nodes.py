@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,8 +13,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import pytest
+import trio
 
+from node.net import Mesh, MeshConfig, RequestError
 from tests.nodes import RunningNode, start_node
 
 SECRET = {"SHOAL_CLUSTER_SECRET": "correct horse battery staple"}
@@ -65,9 +69,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNo
 
 
 def test_three_nodes_agree_on_members_and_leader(cluster: list[RunningNode]) -> None:
-    elapsed = wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
-    leader = agreed_leader(cluster)
-    assert leader == min(n.node_id for n in cluster)  # the rule: smallest live id
+    # The rule: the smallest live id leads (once past its start-up grace).
+    leader = min(n.node_id for n in cluster)
+    elapsed = wait_until(lambda: agreed_leader(cluster) == leader, 15, "agreed on the smallest id as leader")
     for node in cluster:
         view = node.cluster()
         assert view["self"] == node.node_id
@@ -123,6 +127,42 @@ def test_node_with_wrong_secret_cannot_join(cluster: list[RunningNode], tmp_path
         intruder.stop()
 
 
+def test_garbage_cluster_messages_are_dropped_and_counted(cluster: list[RunningNode], tmp_path: Path) -> None:
+    """An admitted peer sends undecodable gossip and sync payloads: counted, dropped, node unharmed."""
+    target = cluster[0]
+    before = target.health()["cluster"]["dropped_messages"]
+    config = MeshConfig(
+        data_dir=tmp_path,
+        secret=SECRET["SHOAL_CLUSTER_SECRET"].encode(),
+        bootstrap_peers=(target.p2p_addr,),
+        mdns=False,
+        listen_host="127.0.0.1",
+    )
+    garbage = [b"", b"\xff" * 64, cbor2.dumps({"v": 999}), cbor2.dumps([1] * 10_000), os.urandom(4096)]
+
+    async def attack() -> None:
+        mesh = Mesh(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(mesh.run)
+            with trio.fail_after(10):
+                async for event in mesh.events:
+                    if event.up and event.peer_id == target.node_id:
+                        break
+            for payload in garbage:
+                with contextlib.suppress(RequestError):
+                    await mesh.request(target.node_id, payload)
+            nursery.cancel_scope.cancel()
+
+    trio.run(attack)
+    wait_until(
+        lambda: target.health()["cluster"]["dropped_messages"] >= before + len(garbage),
+        10,
+        "counted as dropped",
+    )
+    assert target.process.poll() is None
+    wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
+
+
 def test_stopped_node_is_marked_dead_then_alive_again(cluster: list[RunningNode]) -> None:
     wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
     leader = agreed_leader(cluster)
@@ -141,6 +181,7 @@ def test_stopped_node_is_marked_dead_then_alive_again(cluster: list[RunningNode]
 def test_killed_leader_is_replaced(cluster: list[RunningNode]) -> None:
     wait_until(lambda: agreed_leader(cluster), 15, "agreed on one leader")
     leader_id = agreed_leader(cluster)
+    assert leader_id is not None
     leader = next(n for n in cluster if n.node_id == leader_id)
     survivors = [n for n in cluster if n is not leader]
     term = survivors[0].cluster()["term"]
