@@ -9,48 +9,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import cbor2
 import pytest
 import trio
 
 from node.net import Mesh, MeshConfig, RequestError
-from tests.nodes import RunningNode, start_node
+from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_until
 
 SECRET = {"SHOAL_CLUSTER_SECRET": "correct horse battery staple"}
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> float:
-    """Poll `check` (every 50 ms, at most `timeout` s) until it is truthy; returns the seconds it took."""
-    start = time.monotonic()
-    last: Any = None
-    while (elapsed := time.monotonic() - start) < timeout:
-        try:
-            if last := check():
-                return elapsed
-        except Exception as exc:  # a node may be restarting: keep polling until the deadline
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"not {what} within {timeout}s (last: {last!r})")
-
-
-def statuses(node: RunningNode) -> dict[str, str]:
-    return {m["id"]: m["status"] for m in node.cluster()["members"]}
-
-
-def agreed_leader(nodes: list[RunningNode]) -> str | None:
-    """The leader every node names, once all see all the others alive; None before that."""
-    ids = {n.node_id for n in nodes}
-    views = [n.cluster() for n in nodes]
-    for view in views:
-        alive = {m["id"] for m in view["members"] if m["status"] == "alive"}
-        if alive != ids:
-            return None
-    leaders = {(v["leader"], v["term"]) for v in views}
-    return views[0]["leader"] if len(leaders) == 1 and views[0]["leader"] else None
 
 
 @pytest.fixture(scope="module")
