@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,10 @@ class ClusterConfig:
     election: ElectionConfig = field(default_factory=ElectionConfig)
     anti_entropy_interval_s: float = 1.0
     """One push-pull round with a random peer per interval heals any lost gossip within seconds."""
+    direct_push_s: float = 5.0
+    """For this long after start, heartbeats also go point to point to every connected peer:
+    GossipSub takes ~1 s to put a newcomer into its mesh and silently drops what it publishes before,
+    and a newcomer counts as alive only once a second heartbeat of it arrives."""
     leave_grace_s: float = 0.3
     """On a clean shutdown, time given to the goodbye delta to leave before the host closes."""
 
@@ -111,21 +116,28 @@ class ClusterService:
         await self._changed.wait()
 
     # --- writing and merging -----------------------------------------------------------------
-    async def _write(self, new_state: ClusterState) -> None:
-        """Adopt a locally written state and gossip what changed."""
+    async def _write(self, new_state: ClusterState) -> ClusterState:
+        """Adopt a locally written state and gossip what changed; returns that delta."""
         delta = new_state.delta_since(self.state)
         self.state = new_state
         self._notify()
+        await self._publish(delta)
+        return delta
+
+    async def _publish(self, delta: ClusterState) -> None:
         if len(delta) == 0:
             return
         for payload in encode_delta(delta, self.mesh.config.max_gossip_bytes):
             self.stats.gossip_bytes_out += len(payload)
             await self.mesh.publish(payload)
 
-    async def _merge(self, remote: ClusterState) -> None:
+    async def _merge(self, remote: ClusterState, *, regossip: bool = False) -> None:
+        """Merge a peer's records. `regossip`: they came point to point (anti-entropy), so pass what
+        was news to us on to everyone: a newcomer known to one node is known to all within a hop."""
         merged = self.state.merge(remote)
         if merged == self.state:
             return
+        news = merged.delta_since(self.state) if regossip else ClusterState.empty()
         self.state = merged
         self._connect_to_members()
         self.view, changes = observe_state(self.view, merged, self.me, self._clock())
@@ -135,6 +147,7 @@ class ClusterService:
             await self._write(self.state.with_heartbeat(self.me, self.view.suspects()))
         await self._elect()
         self._notify()
+        await self._publish(news)
 
     def _connect_to_members(self) -> None:
         """Dial every member the state names that the mesh doesn't know yet: a full mesh, so that the
@@ -179,7 +192,22 @@ class ClusterService:
         while True:
             await trio.sleep(self.config.detector.heartbeat_interval_s)
             state = self.state.with_profile(self.me, self._profile())
-            await self._write(state.with_heartbeat(self.me, self.view.suspects()))
+            delta = await self._write(state.with_heartbeat(self.me, self.view.suspects()))
+            if self._clock() - self._started_at < self.config.direct_push_s:
+                await self._push_to_all(delta)
+
+    async def _push_to_all(self, delta: ClusterState) -> None:
+        """Send a delta point to point to every connected peer, concurrently, best effort."""
+        payloads = encode_delta(delta, self.mesh.config.max_request_bytes)
+
+        async def push(peer_id: str) -> None:
+            for payload in payloads:
+                with suppress(RequestError):
+                    await self._request(peer_id, payload)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in self.mesh.connected_peers():
+                nursery.start_soon(push, peer_id)
 
     async def _ticks(self) -> None:
         while True:
@@ -216,7 +244,7 @@ class ClusterService:
             reply = self._decode(answer)
             if not isinstance(reply, DigestReply):
                 return
-            await self._merge(reply.delta)
+            await self._merge(reply.delta, regossip=True)
             missing = self.state.missing_for(reply.digest)
             for payload in encode_delta(missing, self.mesh.config.max_request_bytes):
                 await self._request(peer_id, payload)
@@ -234,7 +262,7 @@ class ClusterService:
             self.stats.sync_bytes_out += len(reply)
             return reply
         if isinstance(message, Delta):
-            await self._merge(message.state)
+            await self._merge(message.state, regossip=True)
         return b""
 
     def _decode(self, payload: bytes) -> Delta | DigestRequest | DigestReply | None:

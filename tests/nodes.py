@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -28,6 +29,8 @@ class RunningNode:
     base_url: str
     model_id: str | None
     p2p_addr: str = ""
+    netns: str | None = None
+    """The network namespace the node runs in (its API is reachable only from there)."""
     log: list[str] = field(default_factory=list)
     _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
 
@@ -53,7 +56,19 @@ class RunningNode:
         return httpx.get(f"{self.base_url}/health", timeout=10).json()
 
     def cluster(self) -> dict[str, Any]:
-        return httpx.get(f"{self.base_url}/v1/cluster", timeout=10).json()
+        if self.netns is None:
+            return httpx.get(f"{self.base_url}/v1/cluster", timeout=10).json()
+        # From inside the namespace, through `shoal status --json`.
+        status = [sys.executable, "-m", "node.cli", "status", "--api", self.base_url, "--json"]
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.netns, *status],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
 
     @property
     def node_id(self) -> str:
@@ -83,14 +98,20 @@ def start_node(
     model: str | None,
     env: dict[str, str] | None = None,
     ready_timeout: float = 120,
+    netns: str | None = None,
 ) -> RunningNode:
-    """`shoal run` on 127.0.0.1 with a free port; returns once the API listens and the model is ready.
+    """`shoal run` with a free API port; returns once the API listens and the model is ready.
 
-    `model` is a model reference, `DEFAULT` (no `--model` flag) or None (`--no-model`).
+    `model` is a model reference, `DEFAULT` (no `--model` flag) or None (`--no-model`). By default
+    the node stays on loopback with mDNS off; with `netns` it runs inside that network namespace
+    (which the test created) with mDNS on, and `args` say which addresses to use there.
     """
-    cmd = [sys.executable, "-m", "node.cli", "run", "--api-host", "127.0.0.1", "--api-port", "0"]
-    # Loopback only, and no multicast on the machine's real interfaces (mDNS is tested in namespaces).
-    cmd += ["--p2p-host", "127.0.0.1", "--no-mdns", "--data-dir", str(data_dir)]
+    cmd = [sys.executable, "-m", "node.cli", "run", "--api-port", "0", "--data-dir", str(data_dir)]
+    if netns is None:
+        # Loopback only, and no multicast on the machine's real interfaces (mDNS is tested in namespaces).
+        cmd += ["--api-host", "127.0.0.1", "--p2p-host", "127.0.0.1", "--no-mdns"]
+    else:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
     if model is None:
         cmd.append("--no-model")
     elif model != DEFAULT:
@@ -103,7 +124,7 @@ def start_node(
         text=True,
         env={**os.environ, **(env or {})},
     )
-    node = RunningNode(process=process, base_url="", model_id=None)
+    node = RunningNode(process=process, base_url="", model_id=None, netns=netns)
 
     def pump() -> None:
         assert process.stdout is not None

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.nodes import agreed_leader, start_node, wait_until
+
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,3 +105,33 @@ def test_two_namespaces_discover_each_other(namespaces: tuple[str, str, str, str
         port = report["addrs"][0].split("/")[4]
         assert report["addrs"] == [f"/ip4/{ip}/tcp/{port}/p2p/{report['peer_id']}"]
     assert other["connected"] == [] and other["discovered"] == []
+
+
+def test_shoal_nodes_in_namespaces_form_a_cluster_by_mdns(
+    namespaces: tuple[str, str, str, str], tmp_path: Path
+) -> None:
+    """Two real `shoal run` processes, one per namespace, no --peer: mDNS alone makes them one cluster."""
+    ns_a, ip_a, ns_b, ip_b = namespaces
+    nodes = [
+        start_node(
+            "--api-host",
+            ip,
+            "--p2p-host",
+            ip,
+            "--cluster",
+            "lab",
+            data_dir=tmp_path / ns,
+            model=None,
+            netns=ns,
+        )
+        for ns, ip in ((ns_a, ip_a), (ns_b, ip_b))
+    ]
+    try:
+        ids = {node.node_id for node in nodes}
+        took = wait_until(lambda: agreed_leader(nodes) == min(ids), 30, "one cluster with one leader")
+        print(f"discovered by mDNS and agreed {took:.2f}s after both started")
+        for node in nodes:
+            assert {m["id"] for m in node.cluster()["members"]} == ids
+    finally:
+        for node in nodes:
+            node.stop()

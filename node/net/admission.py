@@ -141,11 +141,14 @@ class Admission:
 
     async def _failed(self, peer: ID, epoch: int, why: str, *, proven: bool) -> None:
         now = trio.current_time()
-        refused = self.book.auth_failed(peer.to_base58(), epoch, now, self.config.refuse_s, proven=proven)
+        # A wrong proof is refused for long; a handshake that merely got no answer (a busy or
+        # restarting peer) only briefly, so the next dial retries it soon.
+        refuse_s = self.config.refuse_s if proven else self.config.unanswered_refuse_s
+        refused = self.book.auth_failed(peer.to_base58(), epoch, now, refuse_s, proven=proven)
         self._changed_now()
         if refused:
             self.stats.auth_failed += 1
-            log.warning("refusing peer %s for %.0f s: %s", peer, self.config.refuse_s, why)
+            log.warning("refusing peer %s for %.0f s: %s", peer, refuse_s, why)
             await self._disconnect(peer)
 
     async def _disconnect(self, peer: ID) -> None:

@@ -48,7 +48,10 @@ class MeshConfig:
     auth_timeout_s: float = 5.0
     """A new peer must finish the challenge-response within this (loopback: a few ms)."""
     refuse_s: float = 30.0
-    """A peer that failed auth is disconnected and refused this long (then it may try again)."""
+    """A peer that failed auth with a wrong proof is disconnected and refused this long."""
+    unanswered_refuse_s: float = 2.0
+    """A peer whose handshake got no answer in time (busy, restarting) is disconnected and refused
+    only this long: long enough to stop a tight loop, short enough that a redial soon admits it."""
     redial_min_s: float = 0.5
     redial_max_s: float = 10.0
     """Backoff between dials of a known but disconnected peer: doubles from min to max, +-20% jitter;

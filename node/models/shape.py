@@ -1,0 +1,248 @@
+"""`model_shape`: the bytes each part of a model folder takes, for placement. Reads headers only.
+
+The weights' sizes come from the safetensors headers (an 8-byte little-endian length, then that
+much JSON naming each tensor's dtype, shape and byte range); no tensor is read. Each tensor goes to:
+
+    model.layers.N.*        layer N
+    model.embed_tokens.*    the embedding
+    model.norm.*, lm_head.* the head
+
+(a `language_model.` prefix, as vision-language checkpoints have, is ignored). Layers numbered past
+`num_hidden_layers` (e.g. a multi-token-prediction layer) are not loaded by mlx-lm and not counted.
+Any other tensor is an error: the model cannot be split by layers if we do not know where it goes.
+
+Bytes at run time can differ from bytes on disk: on the CPU the runner upcasts to float32 and
+dequantizes (see `node.runner.dtype`). `runtime_dtype_bytes=4` counts that: every float tensor at 4
+bytes per element, and every mlx-quantized weight (a uint32 `weight` packing 32/bits values per
+word, with sibling `scales` and `biases`) as its dense size, `packed elements x 32 / bits` at 4 bytes,
+its scales and biases then gone. `bits` comes from the config's `quantization` (a per-module entry
+first, then the default).
+
+The KV cache per token per layer is 2 (keys and values) x kv heads x head dim x the activations'
+dtype bytes (`runtime_dtype_bytes`, else the config's `torch_dtype`, else the weights' dominant float
+dtype). Every layer is assumed to keep a full cache: an overestimate for sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from protocol.ids import ModelId
+from protocol.placement import ModelShape
+
+MAX_HEADER_BYTES = 100 * 1024**2
+"""A safetensors header larger than this is refused (the safetensors library's own limit)."""
+DEFAULT_CONTEXT_LENGTH = 4096
+"""Tokens reserved when neither the caller nor `max_position_embeddings` says."""
+
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
+"""Bytes per element of each safetensors dtype."""
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EMBEDDING = ("model.embed_tokens.",)
+_HEAD = ("model.norm.", "lm_head.")
+
+
+class ModelShapeError(ValueError):
+    """A model folder whose size cannot be worked out; the message names the file or tensor."""
+
+
+def model_shape(
+    model_id: str,
+    folder: Path,
+    context_length: int | None = None,
+    *,
+    runtime_dtype_bytes: int | None = None,
+) -> ModelShape:
+    """The `ModelShape` of the mlx-lm model folder `folder` (config.json + *.safetensors).
+
+    `context_length` defaults to the config's `max_position_embeddings`. `runtime_dtype_bytes`
+    (e.g. 4 for float32 on the CPU) counts weights and KV cache at that size; None counts them as
+    stored. Raises `ModelShapeError` for a missing or malformed config or header, a tensor that is
+    not a layer, embedding or head, or a layer without tensors.
+    """
+    config = _read_config(folder)
+    num_layers = _config_int(config, "num_hidden_layers")
+    tensors = _read_headers(folder)
+    bits = _quantization_bits(config)
+    layers = [0] * num_layers
+    embedding = head = 0
+    seen_layers: set[int] = set()
+    for name, info in tensors.items():
+        size = _runtime_bytes(name, info, tensors, bits, runtime_dtype_bytes)
+        local = name.removeprefix("language_model.")
+        if match := _LAYER.match(local):
+            index = int(match.group(1))
+            if index < num_layers:
+                layers[index] += size
+                seen_layers.add(index)
+        elif local.startswith(_EMBEDDING):
+            embedding += size
+        elif local.startswith(_HEAD):
+            head += size
+        else:
+            raise ModelShapeError(
+                f"{folder}: tensor {name!r} is not in a layer, the embedding or the head; "
+                "this model cannot be split by layers"
+            )
+    if missing := sorted(set(range(num_layers)) - seen_layers):
+        raise ModelShapeError(f"{folder}: no tensors for layer(s) {missing[:8]} of {num_layers}")
+    has_lm_head = any(n.removeprefix("language_model.").startswith("lm_head.") for n in tensors)
+    tied = config.get("tie_word_embeddings")
+    if context_length is None:
+        context_length = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+    return ModelShape(
+        model=ModelId(model_id),
+        layer_bytes=tuple(layers),
+        embedding_bytes=embedding,
+        head_bytes=head,
+        tied_embeddings=tied if isinstance(tied, bool) else not has_lm_head,
+        kv_bytes_per_token=_kv_bytes_per_token(config, tensors, runtime_dtype_bytes),
+        context_length=context_length,
+    )
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensors a .safetensors file holds: name -> {"dtype", "shape", "data_offsets"}."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(8)
+            if len(raw) != 8:
+                raise ModelShapeError(f"{path}: too short for a safetensors file")
+            (length,) = struct.unpack("<Q", raw)
+            if length > MAX_HEADER_BYTES:
+                raise ModelShapeError(f"{path}: header of {length} bytes exceeds {MAX_HEADER_BYTES}")
+            header = json.loads(handle.read(length))
+    except OSError as exc:
+        raise ModelShapeError(f"{path}: {exc}") from exc
+    except ValueError as exc:  # a bad UTF-8 or JSON header
+        raise ModelShapeError(f"{path}: malformed safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ModelShapeError(f"{path}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        try:
+            start, end = info["data_offsets"]
+            ok = info["dtype"] in DTYPE_BYTES and 0 <= start <= end and isinstance(info["shape"], list)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ModelShapeError(f"{path}: malformed entry for tensor {name!r}")
+    return header
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelShapeError(f"{folder}: cannot read config.json: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelShapeError(f"{folder}: config.json is not a JSON object")
+    if isinstance(text := config.get("text_config"), dict):
+        config = {**config, **text}  # a vision-language model: the language model's sizes
+    return config
+
+
+def _config_int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key)
+    if type(value) is not int or value < 1:
+        raise ModelShapeError(f"config.json: {key} must be a positive integer, not {value!r}")
+    return value
+
+
+def _read_headers(folder: Path) -> dict[str, dict[str, Any]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelShapeError(f"{folder}: no *.safetensors files")
+    tensors: dict[str, dict[str, Any]] = {}
+    for path in files:
+        tensors.update(read_safetensors_header(path))
+    return tensors
+
+
+def _quantization_bits(config: dict[str, Any]) -> dict[str, int]:
+    """Bits per quantized module: "" is the default, other keys are module paths."""
+    quant = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return {}
+    bits = {k: v["bits"] for k, v in quant.items() if isinstance(v, dict) and isinstance(v.get("bits"), int)}
+    if isinstance(quant.get("bits"), int):
+        bits[""] = quant["bits"]
+    return bits
+
+
+def _elements(info: dict[str, Any]) -> int:
+    count = 1
+    for dim in info["shape"]:
+        count *= int(dim)
+    return count
+
+
+def _runtime_bytes(
+    name: str,
+    info: dict[str, Any],
+    tensors: dict[str, dict[str, Any]],
+    bits: dict[str, int],
+    runtime_dtype_bytes: int | None,
+) -> int:
+    stored = int(info["data_offsets"][1] - info["data_offsets"][0])
+    if runtime_dtype_bytes is None:
+        return stored
+    module, _, kind = name.rpartition(".")
+    quantized = f"{module}.scales" in tensors and kind in ("weight", "scales", "biases")
+    if not quantized:
+        return _elements(info) * runtime_dtype_bytes if info["dtype"] in FLOAT_DTYPES else stored
+    if kind != "weight":
+        return 0  # folded into the dense weight
+    module_bits = bits.get(module, bits.get(""))
+    if module_bits is None:
+        raise ModelShapeError(f"tensor {name!r} is quantized but config.json gives no quantization bits")
+    packed_bits = _elements(info) * DTYPE_BYTES[info["dtype"]] * 8
+    return packed_bits // module_bits * runtime_dtype_bytes
+
+
+def _kv_bytes_per_token(
+    config: dict[str, Any], tensors: dict[str, dict[str, Any]], runtime_dtype_bytes: int | None
+) -> int:
+    heads = _config_int(config, "num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or _config_int(config, "hidden_size") // heads
+    return 2 * int(kv_heads) * int(head_dim) * _activation_bytes(config, tensors, runtime_dtype_bytes)
+
+
+def _activation_bytes(
+    config: dict[str, Any], tensors: dict[str, dict[str, Any]], runtime_dtype_bytes: int | None
+) -> int:
+    if runtime_dtype_bytes is not None:
+        return runtime_dtype_bytes
+    declared = config.get("torch_dtype") or config.get("dtype")
+    if isinstance(declared, str) and declared in TORCH_DTYPE_BYTES:
+        return TORCH_DTYPE_BYTES[declared]
+    floats: Counter[str] = Counter()
+    for info in tensors.values():
+        if info["dtype"] in FLOAT_DTYPES:
+            floats[info["dtype"]] += int(info["data_offsets"][1] - info["data_offsets"][0])
+    return DTYPE_BYTES[floats.most_common(1)[0][0]] if floats else 2
