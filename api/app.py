@@ -11,6 +11,7 @@ from api.backend import Backend
 from api.chat import ChatRoutes
 from api.cluster import ClusterRoutes
 from api.errors import EXCEPTION_HANDLERS
+from api.instances import InstanceRoutes
 from api.models import ModelRoutes
 
 KEEPALIVE_S = 10.0
@@ -27,5 +28,10 @@ def create_app(
 ) -> Starlette:
     """The OpenAI-compatible API over `backend`. Every error answers in OpenAI's error shape."""
     chat = ChatRoutes(backend, keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
-    routes = [*chat.routes(), *ModelRoutes(backend).routes(), *ClusterRoutes(backend).routes()]
+    routes = [
+        *chat.routes(),
+        *ModelRoutes(backend).routes(),
+        *ClusterRoutes(backend).routes(),
+        *InstanceRoutes(backend).routes(),
+    ]
     return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)

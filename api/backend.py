@@ -9,7 +9,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from protocol.chat import GenerateRequest
-from protocol.cluster_view import ClusterView
+from protocol.cluster_view import ClusterView, InstanceView
+from protocol.control_wire import ControlAnswer
 from protocol.events import ChunkEvent
 from protocol.ids import ModelId, RequestId
 
@@ -47,6 +48,16 @@ class Backend(Protocol):
     async def cancel(self, request_id: RequestId) -> bool:
         """Cancel an in-flight generation; False when no such request is running."""
         ...
+
+    def instances(self) -> Sequence[InstanceView]:
+        """The model instances of the whole cluster."""
+        ...
+
+    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> ControlAnswer:
+        """Ask the leader to place `model` (on `nodes` nodes if given); `preview` only plans."""
+        ...
+
+    async def delete_instance(self, instance_id: str) -> ControlAnswer: ...
 
     def cluster(self) -> ClusterView:
         """This node's current picture of the cluster, for `GET /v1/cluster`."""

@@ -51,9 +51,10 @@ class ChatStream(Response):
     """The ASGI response of a streamed completion.
 
     It opens the backend's stream itself and waits for the first event before it commits to a status:
-    a `GenerationError` there becomes a plain JSON error (400 for an invalid request), anything else a
-    200 `text/event-stream`. A comment goes out for every `keepalive_s` without an event. When the
-    client disconnects, everything is cancelled and the backend's context exits.
+    a `GenerationError` there becomes a plain JSON error (400 for an invalid request, 429 when the
+    model's request queue is full), anything else a 200 `text/event-stream`. A comment goes out for
+    every `keepalive_s` without an event. When the client disconnects, everything is cancelled and
+    the backend's context exits.
     """
 
     media_type = sse.MEDIA_TYPE

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal, assert_never
 
 from api import sse
-from api.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, from_generation_error
+from api.errors import ApiError, error_type, from_generation_error
 from protocol.events import (
     ChunkEvent,
     Finish,
@@ -35,17 +35,19 @@ def finish_reason(reason: FinishReason, saw_tool_call: bool) -> OpenAIFinishReas
     return "stop" if reason == "cancelled" else reason
 
 
-def usage_json(usage: Usage) -> dict[str, int]:
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` counts prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
 def error_json(event: GenerationError) -> dict[str, Any]:
-    kind = INVALID_REQUEST if event.error_kind == "invalid_request" else SERVER_ERROR
-    return {"error": {"message": event.message, "type": kind, "param": event.param, "code": event.code}}
+    error = {"message": event.message, "type": error_type(event), "param": event.param, "code": event.code}
+    return {"error": error}
 
 
 def _tool_call_json(call: ToolCall, index: int) -> dict[str, Any]:

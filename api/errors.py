@@ -3,7 +3,7 @@
 Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Bad input from the
 client is a 4xx of type `invalid_request_error` that names the offending field in `param`; a 5xx of
 type `server_error` is only ever a fault on our side (an unexpected exception, which is logged, or a
-runner that broke off).
+runner that broke off). A model whose request queue is full answers 429 of type `rate_limit_error`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+RATE_LIMIT = "rate_limit_error"
 
 # Codes for HTTP-level failures Starlette detects before a handler runs.
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
@@ -97,9 +98,17 @@ def from_validation(exc: ValidationError) -> ApiError:
 
 
 def from_generation_error(event: GenerationError) -> ApiError:
-    """A backend error that came before any output: 400 for a bad request, 503 for a broken runner."""
+    """A backend error that came before any output: 400 for a bad request, 429 when the model's queue
+    is full, 503 for a broken runner."""
+    if event.error_kind == "overloaded":
+        return ApiError(429, event.message, param=event.param, code=event.code, type=RATE_LIMIT)
     status = 400 if event.error_kind == "invalid_request" else 503
     return ApiError(status, event.message, param=event.param, code=event.code)
+
+
+def error_type(event: GenerationError) -> str:
+    """The OpenAI error `type` of a backend error, e.g. inside a stream that already started."""
+    return {"invalid_request": INVALID_REQUEST, "overloaded": RATE_LIMIT}.get(event.error_kind, SERVER_ERROR)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -1,4 +1,9 @@
-"""The node's implementation of the API's `Backend`: routes each request to its model's runner."""
+"""The node's implementation of the API's `Backend`.
+
+A request goes to this node's runner when the model's instance starts here; otherwise over libp2p to
+the node that holds the instance's first stage, whose events come straight back (never via the leader).
+Instance requests are forwarded to the leader.
+"""
 
 from __future__ import annotations
 
@@ -6,58 +11,99 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from api.backend import ModelCard
 from node.cluster import ClusterService
-from node.runner.supervisor import RunnerSupervisor
+from node.instances import InstanceManager, instance_view
 from protocol.chat import GenerateRequest
-from protocol.cluster_view import ClusterView
+from protocol.cluster_view import ClusterView, InstanceView
+from protocol.control_wire import ControlAnswer, DeleteInstance
 from protocol.events import ChunkEvent, GenerationError
-from protocol.ids import ModelId, RequestId
+from protocol.ids import RequestId
+
+
+class RemoteStreams(Protocol):
+    def open_stream(
+        self, entry_node: str, request: GenerateRequest
+    ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]: ...
+
+    async def cancel(self, request_id: RequestId) -> bool: ...
 
 
 class NodeBackend:
-    def __init__(self, runners: Sequence[RunnerSupervisor], cluster: ClusterService) -> None:
-        self._runners: dict[ModelId, RunnerSupervisor] = {r.spec.model_id: r for r in runners}
-        self._created = int(time.time())
+    def __init__(self, cluster: ClusterService, instances: InstanceManager, remote: RemoteStreams) -> None:
         self._cluster = cluster
+        self._instances = instances
+        self._remote = remote
+        self._created = int(time.time())
 
     def cluster(self) -> ClusterView:
         return self._cluster.snapshot()
 
     def models(self) -> Sequence[ModelCard]:
-        return [
-            ModelCard(
-                id=model_id,
-                created=self._created,
-                context_length=runner.ready_info.context_length if runner.ready_info else None,
+        cards: dict[str, ModelCard] = {}
+        for record in self._instances.records():
+            runner = self._instances.local_runner(record.model)
+            context = runner.ready_info.context_length if runner and runner.ready_info else None
+            cards.setdefault(
+                record.model, ModelCard(id=record.model, created=self._created, context_length=context)
             )
-            for model_id, runner in self._runners.items()
-        ]
+        return list(cards.values())
 
     def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
-        runner = self._runners.get(request.model)
-        if runner is None:
+        entry = self._instances.entry_node(request.model)
+        if entry is not None and entry != self._cluster.me:
+            return self._remote.open_stream(entry, request)
+        return self.open_local_stream(request)
+
+    def open_local_stream(
+        self, request: GenerateRequest
+    ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
+        """Only this node's runners: what peers' forwarded requests get (they never hop twice)."""
+        runner = self._instances.local_runner(request.model)
+        if runner is not None:
+            return runner.open_stream(request)
+        entry = self._instances.entry_node(request.model)
+        if entry is None:
             return _single_event(
                 GenerationError(
                     error_kind="invalid_request",
-                    message=f"model {request.model!r} is not served by this node",
+                    message=f"model {request.model!r} is not served by this cluster",
                     code="model_not_found",
                     param="model",
                 )
             )
-        return runner.open_stream(request)
+        return _single_event(
+            GenerationError(
+                error_kind="server_error",
+                message=f"model {request.model!r} is not running on this node (yet); retry shortly",
+                code="model_loading",
+            )
+        )
 
     async def cancel(self, request_id: RequestId) -> bool:
-        for runner in self._runners.values():
+        """Cancel a request this node accepted, wherever it runs."""
+        return await self.cancel_local(request_id) or await self._remote.cancel(request_id)
+
+    async def cancel_local(self, request_id: RequestId) -> bool:
+        for runner in self._instances.runners():
             if runner.has_request(request_id):
                 return await runner.cancel(request_id)
         return False
 
+    def instances(self) -> Sequence[InstanceView]:
+        return [instance_view(record) for record in self._instances.records()]
+
+    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> ControlAnswer:
+        return await self._instances.request_instance(model, nodes, preview=preview)
+
+    async def delete_instance(self, instance_id: str) -> ControlAnswer:
+        return await self._instances.ask_leader(DeleteInstance(instance_id=instance_id))
+
     def health(self) -> dict[str, Any]:
         return {
-            "runners": [runner.health() for runner in self._runners.values()],
+            "runners": [runner.health() for runner in self._instances.runners()],
             "cluster": asdict(self._cluster.stats),
             "mesh": asdict(self._cluster.mesh.stats),
         }

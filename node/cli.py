@@ -49,6 +49,24 @@ def _parser() -> argparse.ArgumentParser:
         default=NodeConfig.prefill_step_size,
         help="prompt tokens per prefill chunk (default %(default)s)",
     )
+    run.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=NodeConfig.max_concurrent,
+        help="requests to one model decoded together (default %(default)s)",
+    )
+    run.add_argument(
+        "--max-queued",
+        type=int,
+        default=NodeConfig.max_queued,
+        help="requests that may wait beyond --max-concurrent; more get HTTP 429 (default %(default)s)",
+    )
+    run.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=NodeConfig.prefix_cache_tokens,
+        help="KV cache kept for later requests sharing a prefix, in tokens; 0 = off (default %(default)s)",
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_mesh_arguments(run)
 
@@ -97,6 +115,9 @@ def _run(args: argparse.Namespace) -> int:
         api_host=args.api_host,
         api_port=args.api_port,
         prefill_step_size=args.prefill_step_size,
+        max_concurrent=args.max_concurrent,
+        max_queued=args.max_queued,
+        prefix_cache_tokens=args.prefix_cache_tokens,
     )
     try:
         trio.run(run_node, config)

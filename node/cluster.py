@@ -19,7 +19,7 @@ import trio
 
 from node.net.host import PeerAddrError
 from node.net.mesh import Mesh, RequestError
-from protocol.cluster import ClusterState
+from protocol.cluster import ClusterState, NotLeaderError
 from protocol.cluster_codec import (
     Delta,
     DigestReply,
@@ -30,10 +30,10 @@ from protocol.cluster_codec import (
     encode_digest_reply,
     encode_message,
 )
-from protocol.cluster_records import NodeProfile
+from protocol.cluster_records import InstanceRecord, NodeProfile
 from protocol.cluster_view import ClusterView, InstanceView, MemberView, StageView
 from protocol.election import Decision, ElectionConfig, apply_decision, decide_leader, may_claim
-from protocol.ids import NodeId
+from protocol.ids import InstanceId, NodeId
 from protocol.membership import FailureDetectorConfig, Status, Transition, View, observe_state, tick
 
 if TYPE_CHECKING:
@@ -272,6 +272,27 @@ class ClusterService:
             self.stats.dropped_messages += 1
             log.debug("dropped an undecodable cluster message: %s", exc)
             return None
+
+    # --- leader writes and membership reads (for instance placement) --------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.decision.leader == self.me
+
+    async def put_instance(self, record: InstanceRecord) -> None:
+        """Write (or overwrite) an instance record; only the leader may (NotLeaderError otherwise)."""
+        if not self.is_leader:
+            raise NotLeaderError(f"{self.me} is not the leader")
+        await self._write(self.state.with_instance(self.me, self.decision.term, record))
+
+    async def remove_instance(self, instance_id: InstanceId) -> None:
+        if not self.is_leader:
+            raise NotLeaderError(f"{self.me} is not the leader")
+        await self._write(self.state.without_instance(self.me, self.decision.term, instance_id))
+
+    def alive_memory(self) -> dict[NodeId, int]:
+        """Available memory of every node alive now (this one included), from their profiles."""
+        alive = {node for node, m in self.view.members.items() if m.status is Status.ALIVE} | {self.me}
+        return {node: p.memory_available for node, p in self.state.profiles().items() if node in alive}
 
     # --- what the API shows ------------------------------------------------------------------
     def snapshot(self) -> ClusterView:

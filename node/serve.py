@@ -16,11 +16,12 @@ from api.app import create_app
 from node.backend import NodeBackend
 from node.cluster import MEMORY_ROUNDING, ClusterConfig, ClusterService
 from node.config import NodeConfig
-from node.models import resolve_model
+from node.instances import InstanceManager, InstanceOptions
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
 from node.net.mesh import Mesh
 from node.profile import compute_backend, read_profile
-from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from node.routing import RemoteGenerations, serve_generations
+from node.runner.supervisor import RunnerSpec
 from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile
 from protocol.ids import ModelId
 
@@ -56,19 +57,8 @@ def _public_api_url(bind: str, p2p_addrs: list[str]) -> str:
 
 
 async def run_node(config: NodeConfig) -> None:
-    """Run until SIGINT/SIGTERM; then stop the API and the runners within a second or two."""
-    runners: list[RunnerSupervisor] = []
-    if config.model is not None:
-        resolved = await trio.to_thread.run_sync(resolve_model, config.model, config.data_dir)
-        vocab_dir = await trio.to_thread.run_sync(_prepare_vocab, config.data_dir)
-        spec = RunnerSpec(
-            model_id=ModelId(resolved.name),
-            model_path=resolved.path,
-            vocab_dir=vocab_dir,
-            prefill_step_size=config.prefill_step_size,
-        )
-        runners.append(RunnerSupervisor(spec))
-        log.info("serving model %s from %s", resolved.name, resolved.path)
+    """Run until SIGINT/SIGTERM; then stop the API, the mesh and the runners within a second or two."""
+    vocab_dir = await trio.to_thread.run_sync(_prepare_vocab, config.data_dir)
     mesh = Mesh(config.mesh)
     log.info("node id %s (cluster %r)", mesh.peer_id, config.mesh.cluster)
     api_url = ""
@@ -90,13 +80,29 @@ async def run_node(config: NodeConfig) -> None:
             multiaddrs=tuple(mesh.addrs()[:MAX_MULTIADDRS]),
         )
 
+    def runner_spec(model_id: ModelId, model_path: Path) -> RunnerSpec:
+        return RunnerSpec(
+            model_id=model_id,
+            model_path=model_path,
+            vocab_dir=vocab_dir,
+            prefill_step_size=config.prefill_step_size,
+            max_concurrent=config.max_concurrent,
+            max_queued=config.max_queued,
+            prefix_cache_tokens=config.prefix_cache_tokens,
+        )
+
     cluster = ClusterService(mesh, profile, ClusterConfig(cluster=config.mesh.cluster))
-    backend = NodeBackend(runners, cluster=cluster)
+    options = InstanceOptions(
+        data_dir=config.data_dir,
+        runtime_dtype_bytes=4 if backend_kind == "cpu" else None,
+        runner_spec=runner_spec,
+    )
+    instances = InstanceManager(cluster, mesh, options)
+    backend = NodeBackend(cluster, instances, RemoteGenerations(mesh))
+    serve_generations(mesh, backend.open_local_stream, backend.cancel_local)
     app = create_app(backend, keepalive_s=config.keepalive_s)
 
     async with trio.open_nursery() as nursery:
-        for runner in runners:
-            await nursery.start(runner.run)
         binds = await nursery.start(serve, app, _hypercorn_config(config))
         for bind in binds:
             log.info("API listening on %s", bind)
@@ -105,6 +111,9 @@ async def run_node(config: NodeConfig) -> None:
             log.info("p2p listening on %s", addr)
         api_url = _public_api_url(binds[0], addrs)
         await nursery.start(cluster.run)
+        await nursery.start(instances.run)
+        if config.model is not None:
+            nursery.start_soon(instances.ensure_instance, config.model)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s; shutting down", signal.Signals(signum).name)

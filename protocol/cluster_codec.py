@@ -41,7 +41,7 @@ from protocol.cluster_records import (
 )
 from protocol.ids import InstanceId, ModelId, NodeId
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bump on any change to a record's or a message's layout."""
 MAX_MESSAGE_BYTES = 512 * 1024
 """Half of GossipSub's 1 MiB delivery limit; `encode_delta` splits bigger deltas."""
@@ -114,7 +114,7 @@ def _value_to_wire(value: RecordValue | None) -> Any:
             return [value.node, value.term]
         case InstanceRecord():
             stages = [[s.node, s.start_layer, s.end_layer] for s in value.stages]
-            return [value.instance_id, value.model, stages]
+            return [value.instance_id, value.model, stages, value.source]
         case _:
             assert_never(value)
 
@@ -290,12 +290,17 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
     if kind is RecordKind.LEADER:
         f = _list(obj, "leader claim", 2)
         return LeaderClaim(NodeId(_str(f[0], "node")), _int(f[1], "term"))
-    f = _list(obj, "instance", 3)
+    f = _list(obj, "instance", 4)
     stages = []
     for item in _list(f[2], "stages"):
         s = _list(item, "stage", 3)
         stages.append(StageAssignment(NodeId(_str(s[0], "node")), _int(s[1], "start"), _int(s[2], "end")))
-    return InstanceRecord(InstanceId(_str(f[0], "instance_id")), ModelId(_str(f[1], "model")), tuple(stages))
+    return InstanceRecord(
+        InstanceId(_str(f[0], "instance_id")),
+        ModelId(_str(f[1], "model")),
+        tuple(stages),
+        _str(f[3], "source"),
+    )
 
 
 def _kind(obj: object) -> RecordKind:

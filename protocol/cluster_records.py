@@ -188,11 +188,16 @@ class InstanceRecord:
 
     instance_id: InstanceId
     model: ModelId
+    """The id clients name in requests (`/v1/models`)."""
     stages: tuple[StageAssignment, ...]
+    source: str = ""
+    """The model reference each stage node resolves (built-in name, folder, .gguf or Hugging Face repo
+    id); empty means `model` itself is the reference."""
 
     def __post_init__(self) -> None:
         check_node_id("instance_id", self.instance_id)
         _check_text("model", self.model, MAX_TEXT_CHARS, allow_empty=False)
+        _check_text("source", self.source, MAX_URL_CHARS)
         if not isinstance(self.stages, tuple) or not 1 <= len(self.stages) <= MAX_STAGES:
             raise RecordError(f"an instance has 1 to {MAX_STAGES} stages")
         for before, after in zip(self.stages, self.stages[1:], strict=False):

@@ -18,6 +18,8 @@ class _Event(BaseModel):
 class Usage(_Event):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose KV cache came from an earlier request (the prefix cache): not recomputed."""
 
     @property
     def total_tokens(self) -> int:
@@ -48,7 +50,11 @@ class ToolCall(_Event):
 
 
 class PrefillProgress(_Event):
-    """Sent while the prompt is processed, before the first token; the first one has processed=0."""
+    """Sent while the prompt is processed, before the first token; the first one has processed=0.
+
+    With a prefix-cache hit the second one jumps to the cached token count; the last one has
+    processed == total.
+    """
 
     kind: Literal["prefill_progress"] = "prefill_progress"
     processed_tokens: int
@@ -66,14 +72,15 @@ class Finish(_Event):
     usage: Usage
 
 
-ErrorKind = Literal["invalid_request", "server_error"]
+ErrorKind = Literal["invalid_request", "server_error", "overloaded"]
 
 
 class GenerationError(_Event):
     """The generation could not run or broke off.
 
     `invalid_request` errors come before any output (prompt too long, template rejects the messages)
-    and the API answers them with a 4xx; `server_error` is a fault on our side (runner died).
+    and the API answers them with a 4xx; `server_error` is a fault on our side (runner died);
+    `overloaded` comes first too, when the model's request queue is full (the API answers 429).
     """
 
     kind: Literal["error"] = "error"

@@ -61,6 +61,9 @@ class MeshConfig:
     connected after this, so two nodes that find each other don't both dial (two connections)."""
     request_timeout_s: float = 10.0
     """A whole request/response (open stream, send, handler, answer); servers use it per request too."""
+    channel_open_timeout_s: float = 5.0
+    """Opening a channel (new stream + protocol negotiation: ~1-3 ms on a LAN). A frozen peer never
+    answers the negotiation; callers that must answer sooner wrap `open_channel` tighter."""
 
     # --- sizes ---------------------------------------------------------------------------------
     max_gossip_bytes: int = 256 * 1024
@@ -69,6 +72,9 @@ class MeshConfig:
     """Cap on a request or response frame (a full state sync); a larger announced length is dropped."""
     max_concurrent_requests: int = 64
     """Inbound requests handled at once; more wait (within their timeout)."""
+    max_inbound_channels: int = 256
+    """Inbound channels open at once (e.g. generations served for other nodes); more are reset at
+    once, so their requesters fail fast instead of waiting. 200 streams to one peer measured fine."""
     gossip_buffer: int = 1024
     """Inbound gossip queued for the layer above; when full, new messages are dropped and counted
     (the state above converges by merge and anti-entropy, so a lost message costs nothing)."""

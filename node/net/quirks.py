@@ -26,11 +26,13 @@ import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.exceptions import BaseLibp2pError
+from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.stream_muxer.yamux.yamux import Yamux
 
 log = logging.getLogger("shoal.net")
 
@@ -259,3 +261,36 @@ async def reset_quietly(stream: INetStream) -> None:
 async def close_quietly(stream: INetStream) -> None:
     with contextlib.suppress(*TRANSPORT_ERRORS):
         await stream.close()
+
+
+FRAME_WRITE_TIMEOUT_S = 10.0
+"""One yamux frame (<= 64 KiB) that cannot reach the socket in this long: the connection is dead."""
+
+
+def shield_frame_writes() -> None:
+    """Make a cancelled stream write unable to kill the whole connection (py-libp2p 0.8.1).
+
+    Measured: a write cancelled at the wrong moment breaks the connection for every stream on
+    it. `Yamux._write_frame` takes the connection's write lock, then Noise encrypts the frame
+    (advancing the nonce) and only then awaits the socket; cancelled in between, the frame is
+    never sent, the peer's next decryption fails ("Failed authentication of message") and it
+    drops the connection, while our side still counts it as connected until the ping monitor
+    notices. Cancelling a channel's read (its yamux window update) or send, a request's timeout,
+    closing a stream from a cancelled scope: each could do it. So once the lock is held the write
+    is shielded, bounded by FRAME_WRITE_TIMEOUT_S (a frame that slow means a dead connection:
+    then it raises, as a closed connection would). Waiting for the lock stays cancellable.
+    Process-wide and idempotent.
+    """
+    if getattr(Yamux._write_frame, "_shoal_shielded", False):
+        return
+
+    async def write_frame(self: Yamux, data: bytes) -> None:
+        async with self._write_lock:
+            with trio.CancelScope(shield=True), trio.move_on_after(FRAME_WRITE_TIMEOUT_S) as timer:
+                await self.secured_conn.write(data)
+            if timer.cancelled_caught:
+                raise ConnectionClosedError(f"a yamux frame write took over {FRAME_WRITE_TIMEOUT_S:.0f} s")
+        await trio.lowlevel.checkpoint()
+
+    write_frame._shoal_shielded = True  # type: ignore[attr-defined]
+    Yamux._write_frame = write_frame  # type: ignore[method-assign]

@@ -1,15 +1,15 @@
 """Runner process entry point: `python -m node.runner --model-path P --model-id ID`.
 
 Reads `Generate`/`Cancel`/`Shutdown` frames on stdin, writes `Ready`/`RequestEvent`/`LoadFailed`
-frames on stdout. MLX runs on the main thread; a reader thread receives commands so that a cancel
-arrives while a generation runs. The runner exits when its stdin closes: a runner never outlives
-its node.
+frames on stdout. MLX runs on the main thread, in the batch loop of `node.runner.scheduler`: every
+turn it takes the requests that arrived, then advances all running ones by one step. A reader thread
+receives commands, so new requests and cancels arrive while others generate. The runner exits when
+its stdin closes: a runner never outlives its node.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import queue
@@ -19,9 +19,11 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from node.runner.engine import generate, load_model
+from node.runner.engine import load_model
+from node.runner.prefix_cache import PrefixCache
+from node.runner.scheduler import Scheduler
 from protocol.chat import GenerateRequest
-from protocol.events import ChunkEvent, GenerationError
+from protocol.events import ChunkEvent, is_terminal
 from protocol.ids import RequestId
 from protocol.runner_wire import (
     Cancel,
@@ -96,11 +98,27 @@ def _read_commands(stdin: BinaryIO, inbox: _Inbox) -> None:
         inbox.close()
 
 
+def _take_requests(inbox: _Inbox, scheduler: Scheduler) -> bool:
+    """Submit every queued request, waiting for one when nothing runs; False once stdin closed."""
+    block = scheduler.idle
+    while True:
+        try:
+            request = inbox.pending.get(block=block)
+        except queue.Empty:
+            return True
+        if request is None:
+            return False
+        scheduler.submit(request)
+        block = False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m node.runner")
     parser.add_argument("--model-path", type=Path, required=True)
     parser.add_argument("--vocab-dir", type=Path, default=None)
     parser.add_argument("--prefill-step-size", type=int, default=512)
+    parser.add_argument("--max-concurrent", type=int, default=8, help="requests decoded together")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=8192, help="0 disables the prefix cache")
     args = parser.parse_args(argv)
 
     # The node stops us by closing stdin; Ctrl-C in a terminal must not kill us mid-write.
@@ -118,27 +136,26 @@ def main(argv: list[str] | None = None) -> int:
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
         return 1
     inbox = _Inbox()
+
+    def emit(request_id: RequestId, event: ChunkEvent) -> None:
+        wire.send(RequestEvent(request_id=request_id, event=event))
+        if is_terminal(event):
+            inbox.forget(request_id)
+
+    scheduler = Scheduler(
+        loaded,
+        emit=emit,
+        is_cancelled=inbox.is_cancelled,
+        prefill_step_size=args.prefill_step_size,
+        max_concurrent=args.max_concurrent,
+        prefix_cache=PrefixCache(args.prefix_cache_tokens),
+    )
     threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
     wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
 
-    while (request := inbox.pending.get()) is not None:
-        request_id = request.request_id
-
-        def emit(event: ChunkEvent, request_id: RequestId = request_id) -> None:
-            wire.send(RequestEvent(request_id=request_id, event=event))
-
-        try:
-            generate(
-                loaded,
-                request,
-                emit=emit,
-                is_cancelled=functools.partial(inbox.is_cancelled, request_id),
-                prefill_step_size=args.prefill_step_size,
-            )
-        except Exception as exc:  # a fault in one generation fails that request, not the runner
-            log.exception("generation %s failed", request_id)
-            emit(GenerationError(error_kind="server_error", message=f"generation failed: {exc}"))
-        inbox.forget(request_id)
+    while _take_requests(inbox, scheduler):
+        scheduler.step()
+    scheduler.close()
     return 0
 
 

@@ -1,24 +1,31 @@
-"""The MLX side of a runner: load a model, turn one request into a stream of chunk events.
+"""The MLX side of a runner: load a model, and the per-request logic of a generation.
 
-Runs on the runner process's main thread. It never talks to a pipe itself: it calls `emit` for
-each event, and polls `is_cancelled` between prefill chunks and decode steps.
+Runs on the runner process's main thread and never talks to a pipe itself: events go out through
+`emit`. `admit` turns a request into prompt tokens (or an `invalid_request` error); `RequestOutput`
+turns one request's generated tokens into chunk events (detokenizer, output parser, stop strings,
+exactly one terminal event); `make_request_sampler` gives each request its own sampler. The batch
+loop that feeds many requests at once is `node.runner.scheduler`; `generate` runs one request alone,
+for models whose KV cache mlx-lm cannot batch.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from node.runner.dtype import apply_dtype_policy
 from node.runner.formats import ChatFormat, PromptError, chat_format_for
+from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
-from protocol.chat import GenerateRequest
+from protocol.chat import GenerateRequest, SamplingParams
 from protocol.events import (
     ChunkEvent,
     Finish,
@@ -36,10 +43,7 @@ DEFAULT_CONTEXT_LENGTH = 4096
 """Used when config.json names no context length."""
 
 Emit = Callable[[ChunkEvent], None]
-
-
-class _Cancelled(Exception):
-    """Raised from the prefill progress callback to abort prefill."""
+Sampler = Callable[[mx.array], mx.array]
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,11 @@ class LoadedModel:
 
 
 def load_model(path: Path, *, vocab_dir: Path | None) -> LoadedModel:
-    model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], load(str(path), return_config=True))
+    # Lazy: the dtype policy reads each weight once, already in the dtype it will run in.
+    model, tokenizer, config = cast(
+        tuple[Any, Any, dict[str, Any]], load(str(path), return_config=True, lazy=True)
+    )
+    apply_dtype_policy(model)
     model_type = str(config.get("model_type", "unknown"))
     chat_format = chat_format_for(model_type, tokenizer, vocab_dir=vocab_dir)
     # Format-specific end tokens (harmony's <|return|>, <|call|>) end generation like EOS does.
@@ -67,97 +75,183 @@ def _too_long(message: str) -> GenerationError:
     )
 
 
-def generate(
-    loaded: LoadedModel,
-    request: GenerateRequest,
-    *,
-    emit: Emit,
-    is_cancelled: Callable[[], bool],
-    prefill_step_size: int,
-) -> None:
-    """Run one request to completion, emitting events; always ends with exactly one terminal event."""
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed the checks: its prompt tokens and how many tokens it may generate."""
+
+    request: GenerateRequest
+    prompt: list[int]
+    max_tokens: int
+
+
+def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | GenerationError:
+    """The prompt's tokens and the generation budget, or the `invalid_request` error to answer."""
     try:
         prompt = loaded.chat_format.prompt_tokens(request.messages, request.tools, request.tool_choice)
     except PromptError as exc:
-        emit(GenerationError(error_kind="invalid_request", message=str(exc), param=exc.param))
-        return
+        return GenerationError(error_kind="invalid_request", message=str(exc), param=exc.param)
     n_prompt = len(prompt)
+    if n_prompt == 0:
+        return GenerationError(error_kind="invalid_request", message="the prompt is empty", param="messages")
     room = loaded.context_length - n_prompt
     if room < 1:
-        emit(_too_long(f"the prompt is {n_prompt} tokens; this model's context is {loaded.context_length}"))
-        return
+        return _too_long(f"the prompt is {n_prompt} tokens; this model's context is {loaded.context_length}")
     max_tokens = request.params.max_tokens
     if max_tokens is not None and max_tokens > room:
-        emit(
-            _too_long(
-                f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
-                f"context of {loaded.context_length} tokens"
-            )
+        return _too_long(
+            f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {loaded.context_length} tokens"
         )
-        return
+    return Admitted(request, list(prompt), max_tokens if max_tokens is not None else room)
 
-    last_progress = -1
 
-    def on_progress(processed: int, total: int) -> None:
-        nonlocal last_progress
-        if is_cancelled():
-            raise _Cancelled
-        if processed > last_progress:  # mlx-lm reports the end twice; send each figure once
-            last_progress = processed
-            emit(PrefillProgress(processed_tokens=processed, total_tokens=total))
+def make_request_sampler(params: SamplingParams) -> Sampler:
+    """A sampler for one request: greedy at temperature 0, else temperature and top-p sampling.
 
-    if request.params.seed is not None:
-        mx.random.seed(request.params.seed)
-    sampler = make_sampler(temp=request.params.temperature, top_p=request.params.top_p)
-    parser = loaded.chat_format.new_parser(prompt)
-    stops = StopMatcher(request.params.stop)
-    generated = 0
-    reason: FinishReason = "length"
-    stopped = False
-    saw_tool_call = False
+    A request with a `seed` draws from its own PRNG key, split once per token, so its output depends
+    only on the seed and the model, never on which other requests share its batch. All greedy
+    requests share one sampler object, which lets mlx-lm sample a whole batch in one call.
+    """
+    if params.temperature == 0 or params.seed is None:
+        return make_sampler(temp=params.temperature, top_p=params.top_p)
+    key = mx.random.key(params.seed)
+    temperature, top_p = params.temperature, params.top_p
 
-    def forward(events: list[Any]) -> bool:
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=sub)
+
+    return sample
+
+
+class RequestOutput:
+    """One request's generated tokens in, its chunk events out; ends with exactly one terminal event.
+
+    Feed each token with `token()` in order (`last=True` for the final one); `progress()` reports
+    prefill; `finish()` or `fail()` ends the request (later calls do nothing). End-of-sequence
+    tokens count as generated but add no text, as in mlx-lm's `stream_generate`.
+    """
+
+    def __init__(self, loaded: LoadedModel, admitted: Admitted, emit: Emit) -> None:
+        self._emit = emit
+        self._eos = frozenset(loaded.tokenizer.eos_token_ids)
+        self._detokenizer = loaded.tokenizer.detokenizer
+        self._parser = loaded.chat_format.new_parser(admitted.prompt)
+        self._stops = StopMatcher(admitted.request.params.stop)
+        self._n_prompt = len(admitted.prompt)
+        self._last_progress = -1
+        self._stopped = False
+        self._saw_tool_call = False
+        self.cached_tokens = 0
+        """Prompt tokens whose KV came from the prefix cache (reported in the usage)."""
+        self.generated = 0
+        self.done = False
+
+    def progress(self, processed: int) -> None:
+        """Prefill has `processed` of the prompt's tokens; each figure goes out once, rising."""
+        if processed > self._last_progress and not self.done:
+            self._last_progress = processed
+            self._emit(PrefillProgress(processed_tokens=processed, total_tokens=self._n_prompt))
+
+    def token(self, token: int, *, last: bool) -> bool:
+        """Emit what one generated token adds; True when a stop string ended the request's text."""
+        self.generated += 1
+        if token in self._eos:
+            self._detokenizer.finalize()
+        else:
+            self._detokenizer.add_token(token)
+            if last:
+                self._detokenizer.finalize()
+        if self._forward(self._parser.feed(token, self._detokenizer.last_segment)):
+            self._stopped = True
+        return self._stopped
+
+    def _forward(self, events: Sequence[ParsedEvent]) -> bool:
         """Emit parsed events, cutting visible text at a stop sequence; True once one is hit."""
-        nonlocal saw_tool_call
         for event in events:
             if isinstance(event, TextDelta):
-                text, hit = stops.feed(event.text)
+                text, hit = self._stops.feed(event.text)
                 if text:
-                    emit(TextDelta(text=text))
+                    self._emit(TextDelta(text=text))
                 if hit:
                     return True
             else:
-                saw_tool_call = saw_tool_call or isinstance(event, ToolCall)
-                emit(event)
+                self._saw_tool_call = self._saw_tool_call or isinstance(event, ToolCall)
+                self._emit(event)
         return False
 
+    def finish(self, reason: FinishReason) -> None:
+        """The terminal `Finish`: flushes held-back text unless cancelled or cut by a stop string."""
+        if self.done:
+            return
+        if self._stopped:
+            reason = "stop"
+        elif reason != "cancelled":
+            if self._forward(self._parser.flush()):
+                reason = "stop"
+            elif tail := self._stops.flush():
+                self._emit(TextDelta(text=tail))
+        if self._saw_tool_call and reason == "stop":
+            reason = "tool_calls"
+        self.done = True
+        usage = Usage(
+            prompt_tokens=self._n_prompt, completion_tokens=self.generated, cached_tokens=self.cached_tokens
+        )
+        self._emit(Finish(reason=reason, usage=usage))
+
+    def fail(self, message: str) -> None:
+        """The terminal `server_error`, for a fault on our side."""
+        if not self.done:
+            self.done = True
+            self._emit(GenerationError(error_kind="server_error", message=message))
+
+
+class _Cancelled(Exception):
+    """Raised from the prefill progress callback to abort prefill."""
+
+
+def generate(
+    loaded: LoadedModel,
+    admitted: Admitted,
+    output: RequestOutput,
+    *,
+    is_cancelled: Callable[[], bool],
+    prefill_step_size: int,
+) -> None:
+    """Run one request alone to completion (models mlx-lm cannot batch); `output` gets every event."""
+
+    def on_progress(processed: int, total: int) -> None:
+        if is_cancelled():
+            raise _Cancelled
+        output.progress(processed)
+
+    reason: FinishReason = "length"
     try:
-        for response in stream_generate(
-            loaded.model,
-            loaded.tokenizer,
-            mx.array(prompt),
-            max_tokens=max_tokens if max_tokens is not None else room,
-            sampler=sampler,
-            prefill_step_size=prefill_step_size,
-            prompt_progress_callback=on_progress,
+        for n, (step_token, _) in enumerate(
+            generate_step(
+                mx.array(admitted.prompt),
+                loaded.model,
+                max_tokens=admitted.max_tokens,
+                sampler=make_request_sampler(admitted.request.params),
+                prefill_step_size=prefill_step_size,
+                prompt_progress_callback=on_progress,
+            )
         ):
-            generated += 1
-            if forward(parser.feed(response.token, response.text)):
-                reason, stopped = "stop", True
+            token = int(step_token)  # mlx-lm yields plain ints (its annotation says arrays)
+            eos = token in loaded.tokenizer.eos_token_ids
+            last = eos or n + 1 == admitted.max_tokens
+            if output.token(token, last=last):
+                reason = "stop"
                 break
-            if response.finish_reason is not None:
-                reason = "stop" if response.finish_reason == "stop" else "length"
+            if last:
+                reason = "stop" if eos else "length"
                 break
             if is_cancelled():
                 reason = "cancelled"
                 break
     except _Cancelled:
         reason = "cancelled"
-    if reason != "cancelled" and not stopped:
-        if forward(parser.flush()):
-            reason = "stop"
-        elif tail := stops.flush():
-            emit(TextDelta(text=tail))
-    if saw_tool_call and reason == "stop":
-        reason = "tool_calls"
-    emit(Finish(reason=reason, usage=Usage(prompt_tokens=n_prompt, completion_tokens=generated)))
+    output.finish(reason)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
+from node.runner.fastpath import runner_environment
 from protocol.chat import GenerateRequest
-from protocol.events import ChunkEvent, GenerationError, is_terminal
+from protocol.events import ChunkEvent, Finish, GenerationError, is_terminal
 from protocol.ids import ModelId, RequestId
 from protocol.runner_wire import (
     Cancel,
@@ -49,14 +50,24 @@ class RunnerSpec:
     model_path: Path
     vocab_dir: Path | None = None
     prefill_step_size: int = 512
+    max_concurrent: int = 8
+    """Requests the runner decodes together in one batch; more wait in its queue."""
+    max_queued: int = 32
+    """Requests that may wait beyond `max_concurrent`; past that one gets `overloaded` (HTTP 429)."""
+    prefix_cache_tokens: int = 8192
+    """The runner's prefix cache budget in tokens, 0 = off (see `node.runner.prefix_cache`)."""
     ready_timeout_s: float = 300.0
     """How long a request waits for a (re)starting runner before it fails."""
     exit_grace_s: float = 2.0
     """How long a runner gets to exit after its stdin closes before it is killed."""
+    fast_path: bool = True
+    """Optimized BLAS and thread count for the runner on Linux CPUs (`node.runner.fastpath`)."""
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "node.runner", "--model-path", str(self.model_path)]
         cmd += ["--prefill-step-size", str(self.prefill_step_size)]
+        cmd += ["--max-concurrent", str(self.max_concurrent)]
+        cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
         if self.vocab_dir is not None:
             cmd += ["--vocab-dir", str(self.vocab_dir)]
         return cmd
@@ -84,6 +95,17 @@ def _error(message: str) -> GenerationError:
     return GenerationError(error_kind="server_error", message=message, code="runner_unavailable")
 
 
+def _overloaded(spec: RunnerSpec) -> GenerationError:
+    return GenerationError(
+        error_kind="overloaded",
+        message=(
+            f"model {spec.model_id} is busy: {spec.max_concurrent} requests are running and "
+            f"{spec.max_queued} waiting; retry later"
+        ),
+        code="too_many_requests",
+    )
+
+
 def _deliver(send: trio.MemorySendChannel[ChunkEvent], event: ChunkEvent) -> None:
     """Hand an event to a request's stream; a client that already left just misses it."""
     with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -97,6 +119,8 @@ class RunnerSupervisor:
         self.ready_info: Ready | None = None
         self.failure: str | None = None
         self.restarts = 0
+        self.cancelled = 0
+        """Generations the runner reports as stopped by a cancel (client gone, /v1/cancel)."""
         self._ready = trio.Event()
         self._in_flight: dict[RequestId, trio.MemorySendChannel[ChunkEvent]] = {}
         self._process: trio.Process | None = None
@@ -125,6 +149,7 @@ class RunnerSupervisor:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         if self.spec.vocab_dir is not None:
             env["TIKTOKEN_ENCODINGS_BASE"] = str(self.spec.vocab_dir)
+        env.update(runner_environment(env, enabled=self.spec.fast_path))
         process = await trio.lowlevel.open_process(
             self.spec.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
@@ -157,6 +182,8 @@ class RunnerSupervisor:
                 return
             if is_terminal(message.event):
                 del self._in_flight[message.request_id]
+                if isinstance(message.event, Finish) and message.event.reason == "cancelled":
+                    self.cancelled += 1
             _deliver(send, message.event)
         elif isinstance(message, Ready):
             self.state, self.ready_info = "ready", message
@@ -211,6 +238,10 @@ class RunnerSupervisor:
                 send.send_nowait(_error(f"model {self.spec.model_id} is unavailable: {reason}"))
                 yield stream
                 return
+            if len(self._in_flight) >= self.spec.max_concurrent + self.spec.max_queued:
+                send.send_nowait(_overloaded(self.spec))
+                yield stream
+                return
             self._in_flight[request.request_id] = send
             if not await self._send(Generate(request=request)):
                 self._in_flight.pop(request.request_id, None)
@@ -237,6 +268,7 @@ class RunnerSupervisor:
             "pid": self._process.pid if self._process is not None else None,
             "restarts": self.restarts,
             "active_requests": len(self._in_flight),
+            "cancelled": self.cancelled,
             "context_length": self.ready_info.context_length if self.ready_info else None,
             "error": self.failure,
         }

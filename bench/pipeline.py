@@ -1,0 +1,182 @@
+"""Pipeline overhead: decode tokens/s and time to first token for 1, 2 and 3 stages on one machine.
+
+Same model, same prompt, greedy. Stages after the first are separate processes on 127.0.0.1; the
+first (the driver) runs here. On one machine the stages share its cores and run one after another
+for each token, so a pipeline cannot be faster than one process: the ratio to one process measures
+what splitting costs. "vs 1 stage" compares with the same driver running the whole model here
+(no detokenizing, which `stream_generate` does per token). "ms/hop/token" is measured directly
+(`RingStats`): the time a decode step spends going round the ring minus the time the stages
+report working, per hop.
+
+    .venv/bin/python bench/pipeline.py [--tokens 32] [--repeats 5] [--fast]
+
+`--fast` runs every process (this one included) on the BLAS fast path of `node.runner.fastpath`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+
+from node.models import default_data_dir, ensure_builtin_model
+from node.pipeline.driver import PipelineGenerator
+from node.pipeline.shard import even_split, load_shard
+from node.pipeline.stage import spawn_stage, wait_ready
+from tests.model_factory import make_random_model
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclass
+class Run:
+    seconds_to_first: float
+    tokens_per_s: float
+    tokens: list[int]
+
+
+def timed(tokens: Iterator[int]) -> Run:
+    start = time.perf_counter()
+    first = last = 0.0
+    out: list[int] = []
+    for token in tokens:
+        last = time.perf_counter()
+        first = first or last
+        out.append(token)
+    rate = (len(out) - 1) / (last - first) if len(out) > 1 and last > first else float("nan")
+    return Run(first - start, rate, out)
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    decode_tps: float
+    hop_ms: float
+    """Per hop and token: ring time not spent in any stage's own work (nan for one process)."""
+
+
+@contextmanager
+def pipeline(model_dir: Path, stages: int) -> Iterator[PipelineGenerator]:
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    ranges = even_split(num_layers, stages)
+    with ExitStack() as stack:
+        processes = [spawn_stage(model_dir, start=a, end=b) for a, b in ranges[1:]]
+        for process in processes:
+            stack.callback(process.stop)
+        for process in processes:
+            wait_ready(process)
+        driver = PipelineGenerator(
+            load_shard(model_dir, start=0, end=ranges[0][1]), stages=[p.address for p in processes]
+        )
+        stack.callback(driver.close)
+        driver.connect()
+        yield driver
+
+
+def _pipeline_run(driver: PipelineGenerator, eos: set[int], prompt: list[int], tokens: int) -> Iterator[int]:
+    return driver.generate(prompt, max_tokens=tokens, eos_token_ids=eos)
+
+
+def measure(model_dir: Path, tokens: int, repeats: int) -> dict[str, Result]:
+    """Per path: the best TTFT and decode rate of `repeats` runs (background load only ever adds
+    time, so the best run is the closest to the path's own cost) and the median hop overhead.
+    TTFT uses the whole chat prompt; decode a 4-token prompt, so that slow prefill does not
+    stretch the rounds. Paths alternate run by run so drifting load hits all alike."""
+    model, tokenizer = load(str(model_dir))[:2]
+    prompt = list(
+        tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    )
+    short = prompt[:4]
+
+    def plain(p: list[int], n: int) -> Iterator[int]:
+        return (r.token for r in stream_generate(model, tokenizer, mx.array(p), max_tokens=n))
+
+    paths: dict[str, Callable[[list[int], int], Iterator[int]]] = {"mlx_lm.stream_generate": plain}
+    drivers: dict[str, PipelineGenerator] = {}
+    ttft: dict[str, list[float]] = {}
+    decode: dict[str, list[float]] = {}
+    hop: dict[str, list[float]] = {}
+    with ExitStack() as stack:
+        for stages in (1, 2, 3):
+            name = f"{stages} stage{'s' if stages > 1 else ''}"
+            drivers[name] = stack.enter_context(pipeline(model_dir, stages))
+            paths[name] = functools.partial(_pipeline_run, drivers[name], set(tokenizer.eos_token_ids))
+        reference = timed(plain(short, tokens)).tokens
+        for i in range(repeats + 1):  # the first round warms everything up
+            for name, generate in paths.items():
+                first = timed(generate(prompt, 1)).seconds_to_first
+                run = timed(generate(short, tokens))
+                if run.tokens != reference:
+                    print(f"WARNING: {name} differs from mlx_lm.stream_generate", file=sys.stderr)
+                if i:
+                    ttft.setdefault(name, []).append(first)
+                    decode.setdefault(name, []).append(run.tokens_per_s)
+                    stages = int(name[0]) if name[0].isdigit() else 1
+                    if stages > 1:
+                        hop.setdefault(name, []).append(
+                            drivers[name].last_stats.hop_overhead_s * 1e3 / stages
+                        )
+    return {
+        name: Result(
+            min(ttft[name]),
+            max(decode[name]),
+            statistics.median(hop[name]) if name in hop else float("nan"),
+        )
+        for name in paths
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fast", action="store_true", help="use the BLAS fast path in every process")
+    args = parser.parse_args()
+    if args.fast and "SHOAL_OPENBLAS_LIB" not in os.environ:
+        from node.runner.fastpath import decide
+
+        fast = decide()
+        print(fast.message, file=sys.stderr)
+        if fast.enabled:  # LD_PRELOAD only takes effect at exec: start again with it
+            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **fast.env})
+
+    builtin = ensure_builtin_model(default_data_dir())
+    with tempfile.TemporaryDirectory() as tmp:
+        random_big = make_random_model(
+            Path(tmp) / "random-380mb",
+            tokenizer_from=builtin,
+            num_layers=8,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_heads=12,
+            num_kv_heads=4,
+        )
+        header = ("model", "path", "TTFT ms", "decode tok/s", "vs mlx_lm", "vs 1 stage", "ms/hop/token")
+        print("{:<16} {:<24} {:>9} {:>13} {:>10} {:>11} {:>13}".format(*header))
+        for name, model_dir in (("smollm2-135m", builtin), ("random-380mb", random_big)):
+            results = measure(model_dir, args.tokens, args.repeats)
+            base, one = results["mlx_lm.stream_generate"], results["1 stage"]
+            for path, result in results.items():
+                rate = result.decode_tps
+                print(
+                    f"{name:<16} {path:<24} {result.ttft_s * 1e3:>9.0f} {rate:>13.2f} "
+                    f"{rate / base.decode_tps:>9.3f}x {rate / one.decode_tps:>10.3f}x {result.hop_ms:>13.3f}"
+                )
+
+
+if __name__ == "__main__":
+    main()

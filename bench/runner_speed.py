@@ -1,0 +1,250 @@
+"""Runner speed on this CPU: Shoal's API (fast CPU path) vs plain mlx-lm vs the memory-bandwidth limit.
+
+For each model, in one run: prefill and decode tokens/s through a real `shoal run` node (streamed,
+greedy, a ~500-token prompt, 64 output tokens), the same with `mlx_lm.stream_generate` in this
+process on the model as stored (what a user gets from mlx-lm: bf16 stays bf16, no shim), and the
+decode ceiling set by memory bandwidth (float32 weight bytes read per token / the bandwidth measured
+here with all usable cores summing a 2 GiB array).
+
+Models: the built-in SmolLM2-135M (float32 as stored) and a random-weight Qwen3-0.6B-shaped model
+stored as bfloat16, like the real checkpoint (28 layers, hidden 1024, MLP 3072, 16 heads, 8 KV
+heads; the built-in's 49k tokenizer instead of Qwen's 152k, so its head and embedding are smaller).
+
+    .venv/bin/python bench/runner_speed.py [--repeats 3] [--threads 1 2] [--models smollm2 qwen3]
+
+Shoal's prefill rate is prompt tokens / time to the first streamed token (it includes the first
+decode step and the HTTP round trip); its decode rate is (tokens - 1) / (last - first token time).
+mlx-lm's figures are its own `prompt_tps` and `generation_tps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from node.models import default_data_dir, ensure_builtin_model
+from node.runner.fastpath import usable_cores
+from tests.model_factory import make_random_model
+from tests.nodes import start_node
+
+PROMPT_TOKENS = 500
+OUTPUT_TOKENS = 64
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening, counting the steps and listening "
+    "to the sea. One night a bottle washed up on the rocks below, and inside it was a letter. "
+)
+
+
+@dataclass
+class Speed:
+    prefill_tps: float
+    decode_tps: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def memory_bandwidth(threads: int, gib: float = 2.0) -> float:
+    """GB/s reading a `gib` GiB float32 array, summed by `threads` threads (numpy frees the GIL)."""
+    data = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))
+        for _ in range(3):
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, data.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def decode_bytes_f32(model_dir: Path) -> int:
+    """Weight bytes one decode step reads in float32: every parameter except the embedding table,
+    of which a lookup reads one row, unless there is no lm_head (tied): then the head reads it all."""
+    import mlx.core as mx
+
+    sizes: dict[str, int] = {}
+    for path in model_dir.glob("*.safetensors"):
+        weights = mx.load(str(path))
+        assert isinstance(weights, dict)
+        sizes.update({name: value.size for name, value in weights.items()})
+    total = sum(sizes.values())
+    if any(name.startswith("lm_head.") for name in sizes):
+        total -= sum(n for name, n in sizes.items() if "embed_tokens." in name)
+    return total * 4
+
+
+def messages(text: str) -> list[dict[str, str]]:
+    """A chat whose first tokens differ on every call, so no prefix cache can skip the prefill."""
+    nonce = next(_NONCES)
+    return [
+        {"role": "system", "content": f"Session {nonce}. You are a helpful assistant."},
+        {"role": "user", "content": text},
+    ]
+
+
+_NONCES = itertools.count(int(time.time()))
+
+
+def prompt_text(tokenizer: Any, target: int) -> str:
+    """A user message whose chat prompt is about `target` tokens."""
+
+    def length(text: str) -> int:
+        return len(tokenizer.apply_chat_template(messages(text), add_generation_prompt=True))
+
+    text = STORY
+    while length(text) < target:
+        text += STORY
+    return text
+
+
+def bench_mlx_lm(model_dir: Path, text: str) -> Speed:
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(model_dir))[:2]
+    prompt = tokenizer.apply_chat_template(messages(text), add_generation_prompt=True)
+    for _ in stream_generate(model, tokenizer, prompt[:16], max_tokens=2):  # warm up
+        pass
+    r = list(stream_generate(model, tokenizer, prompt, max_tokens=OUTPUT_TOKENS))[-1]
+    return Speed(r.prompt_tps, r.generation_tps, r.prompt_tokens, r.generation_tokens)
+
+
+def bench_shoal(client: httpx.Client, base_url: str, model_id: str, text: str) -> Speed:
+    body = {
+        "model": model_id,
+        "messages": messages(text),
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage: dict[str, int] = {}
+    start = time.perf_counter()
+    first = last = 0.0
+    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                last = time.perf_counter()
+                first = first or last
+    prompt, output = usage["prompt_tokens"], usage["completion_tokens"]
+    decode = (output - 1) / (last - first) if output > 1 and last > first else float("nan")
+    return Speed(prompt / (first - start), decode, prompt, output)
+
+
+def shoal_runs(model_dir: Path, data_dir: Path, text: str, repeats: int, threads: str | None) -> list[Speed]:
+    env = {"SHOAL_BLAS_THREADS": threads} if threads else {}
+    node = start_node(data_dir=data_dir, model=str(model_dir), env=env, ready_timeout=600)
+    try:
+        assert node.model_id is not None
+        for line in node.log:
+            if "fast CPU path" in line or "weights:" in line:
+                print("   ", line.strip().split(": ", 1)[-1], flush=True)
+        with httpx.Client(timeout=1200) as client:
+            bench_shoal(client, node.base_url, node.model_id, STORY)  # warm up
+            return [bench_shoal(client, node.base_url, node.model_id, text) for _ in range(repeats)]
+    finally:
+        node.stop()
+
+
+def median(runs: list[Speed]) -> Speed:
+    return Speed(
+        statistics.median(r.prefill_tps for r in runs),
+        statistics.median(r.decode_tps for r in runs),
+        runs[0].prompt_tokens,
+        runs[0].output_tokens,
+    )
+
+
+def qwen3_shaped(tmp: Path, builtin: Path) -> Path:
+    return make_random_model(
+        tmp / "qwen3-0.6b-shape-bf16",
+        tokenizer_from=builtin,
+        model_type="qwen3",
+        num_layers=28,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_heads=16,
+        num_kv_heads=8,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+
+
+Row = tuple[str, str, str, str, str]
+
+
+def bench_model(
+    label: str, model_dir: Path, tmp: Path, bandwidth: float, args: argparse.Namespace
+) -> list[Row]:
+    from mlx_lm.utils import load_tokenizer
+
+    text = prompt_text(load_tokenizer(model_dir), PROMPT_TOKENS)
+    print(f"{label}: mlx-lm as stored ...", flush=True)
+    plain = bench_mlx_lm(model_dir, text)
+    results: list[tuple[str, Speed]] = []
+    for threads in [None, *args.threads]:
+        tag = f"shoal API ({threads} thr)" if threads else "shoal API (default)"
+        print(f"{label}: {tag} ...", flush=True)
+        results.append((tag, median(shoal_runs(model_dir, tmp / "data", text, args.repeats, threads))))
+    per_token = decode_bytes_f32(model_dir)
+    limit = bandwidth * 1e9 / per_token
+    first = results[0][1]
+    print(f"{label}: prompt {first.prompt_tokens} tokens, {first.output_tokens} generated", flush=True)
+    rows = [(label, "mlx-lm stream_generate", f"{plain.prefill_tps:.1f}", f"{plain.decode_tps:.2f}", "")]
+    for tag, speed in results:
+        prefill_x = speed.prefill_tps / plain.prefill_tps
+        decode_x = speed.decode_tps / plain.decode_tps
+        note = f"x{prefill_x:.1f} prefill, x{decode_x:.2f} decode, {speed.decode_tps / limit:.0%} of limit"
+        rows.append((label, tag, f"{speed.prefill_tps:.1f}", f"{speed.decode_tps:.2f}", note))
+    rows.append((label, "bandwidth limit (f32)", "", f"{limit:.2f}", f"{per_token / 1e9:.2f} GB/token"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="Shoal requests per model (median)")
+    parser.add_argument("--threads", nargs="*", default=[], help="also run Shoal with these thread counts")
+    parser.add_argument("--models", nargs="*", default=["smollm2", "qwen3"], choices=["smollm2", "qwen3"])
+    args = parser.parse_args()
+
+    builtin = ensure_builtin_model(default_data_dir())
+    cores = usable_cores()
+    bandwidth = memory_bandwidth(cores)
+    load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    print(f"load average at the start: {load} (other work on this machine skews every figure)")
+    print(f"memory bandwidth: {bandwidth:.1f} GB/s with {cores} threads ({memory_bandwidth(1):.1f} with 1)")
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for name in args.models:
+            if name == "smollm2":
+                rows += bench_model("smollm2-135m", builtin, tmp, bandwidth, args)
+            else:
+                rows += bench_model("qwen3-0.6b-shape", qwen3_shaped(tmp, builtin), tmp, bandwidth, args)
+    print()
+    print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    print(f"{'model':<18} {'path':<24} {'prefill tok/s':>13} {'decode tok/s':>12}  vs mlx-lm / limit")
+    for row in rows:
+        print(f"{row[0]:<18} {row[1]:<24} {row[2]:>13} {row[3]:>12}  {row[4]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+/* Shoal's BLAS shim: MLX's float32 matmuls on fast code, in the runner process only.
+ *
+ * The mlx-cpu wheel links `cblas_sgemm` from a bundled reference (netlib) BLAS: ~2-3 GFLOP/s.
+ * This library, put in the runner's LD_PRELOAD by node/runner/fastpath.py, exports the same
+ * `cblas_sgemm` and `cblas_dgemm` (libmlx.so imports no other level-2/3 BLAS symbol: check with
+ * `nm -D --undefined-only libmlx.so`) and sends them to better code:
+ *
+ * - Matrix-matrix products (prefill) go to the OpenBLAS inside the PyPI wheel scipy-openblas32,
+ *   whose symbols carry a `scipy_` prefix so they never clash with anyone's: ~100 GFLOP/s a core.
+ * - Decode's products are memory bound: x @ W.T with x of 1 to 8 rows (one per sequence in a
+ *   batch) and W row-major (every nn.Linear) runs a dot-product kernel of our own
+ *   (native/rows_kernel.h, AVX-512 or AVX2+FMA chosen at run time) that streams each weight row once
+ *   at the core's full read bandwidth (~25 GB/s a core here; OpenBLAS's sgemv ~18, its sgemm for a
+ *   few rows ~5). Other matrix-vector shapes go to OpenBLAS's sgemv.
+ * - Both run on a small pool of SHOAL_BLAS_THREADS threads (below), OpenBLAS itself on one.
+ *
+ * OpenBLAS is opened on the first call, not at load, so a program that merely inherits LD_PRELOAD
+ * (the g++ that `mx.compile` runs) never starts a thread. Its path is $SHOAL_OPENBLAS_LIB, else
+ * the one baked in at build time (-DSHOAL_OPENBLAS_DEFAULT="..."). If it cannot be opened, the
+ * shim says so once on stderr and forwards to the next `cblas_sgemm` in the process (the reference
+ * BLAS MLX was linked with): slower, never wrong.
+ *
+ * Knobs (environment): SHOAL_BLAS_THREADS (pool size, default 1), SHOAL_SHIM_GEMV=0 (every product
+ * to OpenBLAS sgemm as is), SHOAL_SHIM_KERNEL=avx2|openblas (force a matrix-vector kernel: tests).
+ *
+ * Build (the Makefile's `install` does): cc -O2 -shared -fPIC -o libshoal_blas_shim.so sgemm_shim.c -ldl
+ *   -lpthread -DSHOAL_OPENBLAS_DEFAULT='"/path/to/libscipy_openblas.so"'
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) && !defined(SHOAL_NO_SIMD)
+#include <immintrin.h>
+#define SHOAL_X86 1
+#define cpu_relax() _mm_pause()
+#else /* elsewhere (e.g. aarch64) OpenBLAS's sgemv does the matrix-vector products */
+#define SHOAL_X86 0
+#define cpu_relax() __asm__ __volatile__("" ::: "memory")
+#endif
+
+#ifndef SHOAL_OPENBLAS_DEFAULT
+#define SHOAL_OPENBLAS_DEFAULT ""
+#endif
+
+/* CBLAS enum values (cblas.h); the enums are passed as ints. */
+enum { RowMajor = 101, ColMajor = 102 };
+enum { NoTrans = 111, Trans = 112 };
+
+enum {
+    MAX_THREADS = 64,
+    PARALLEL_MIN_FLOATS = 64 * 1024, /* below 256 KB of weights one thread is faster than waking more */
+    PARALLEL_MIN_MACS = 1 << 22,     /* ~50 us of sgemm on one core */
+    SKINNY_MAX = 8,                  /* x @ W.T with up to this many rows of x runs dot_rows */
+    SPIN_NS = 2000000,               /* workers spin this long for the next product, then sleep */
+    PAUSE_SPINS = 2000,              /* ~20 us of pure spinning before yielding the core */
+    CHUNKS_PER_THREAD = 4,           /* small enough that a preempted worker delays little */
+};
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                         float, float *, int);
+typedef void (*dgemm_fn)(int, int, int, int, int, int, double, const double *, int, const double *,
+                         int, double, double *, int);
+typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int, float,
+                         float *, int);
+/* Y[m, n] = alpha * dot(X[m, :K], W[n, :K]) + beta * Y[m, n] for m < M, n in [n0, n1), with XI
+ * the rows of X interleaved by `lanes` floats (native/rows_kernel.h); beta == 0 never reads Y. */
+typedef void (*rows_fn)(const float *W, long ldw, const float *XI, const float *X, long ldx, float *Y,
+                        long ldy, int M, int n0, int n1, int K, float alpha, float beta);
+
+static sgemm_fn real_sgemm;
+static dgemm_fn real_dgemm;
+static sgemv_fn real_sgemv; /* NULL when falling back: no matrix-vector shortcut then */
+static rows_fn dot_rows;    /* NULL: OpenBLAS does x @ W.T too */
+static int lanes;           /* floats per vector of dot_rows */
+static int use_gemv = 1;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+/* ---------------------------------------------------------------- dot-product kernels ---------- */
+#if SHOAL_X86
+#define KNAME(x) avx512_##x
+#define KTARGET "avx512f"
+#define KLANES 16
+#include "rows_kernel.h"
+#undef KNAME
+#undef KTARGET
+#undef KLANES
+#define KNAME(x) avx2_##x
+#define KTARGET "avx2,fma"
+#define KLANES 8
+#include "rows_kernel.h"
+#undef KNAME
+#undef KTARGET
+#undef KLANES
+#endif
+
+/* ---------------------------------------------------------------- a tiny thread pool ----------- */
+/* One product at a time is cut into chunks (rows of a matrix-vector product; column or row blocks
+ * of a matrix product, each a single-threaded OpenBLAS sgemm) that the caller and the workers
+ * claim one by one. A worker that is not running (another process has its core) therefore costs
+ * nothing: the caller takes its chunks. (OpenBLAS's own threads split work statically and wait for
+ * each other: on a busy machine they ran 3x slower than one thread, so OpenBLAS runs with one.)
+ * Workers spin a little after each product (decode issues hundreds a token, microseconds apart),
+ * yield, and after SPIN_NS sleep on a condition variable until the next one.
+ *
+ * `work` packs the product's generation (high 32 bits) with the next unclaimed chunk (low 32): a
+ * claim is a compare-and-swap that also proves the product is still the current one, so `job`
+ * stays fixed while anyone works on it (the caller waits for every claimed chunk to be done). */
+
+enum { ROWS, GEMM_COLUMNS, GEMM_ROWS };
+
+static struct {
+    int kind, chunk, chunks, extent; /* chunks of `chunk` rows/columns cover [0, extent) */
+    int transA, transB, M, N, K, lda, ldb, ldc;
+    const float *A, *B, *XI;
+    float *C;
+    float alpha, beta;
+} job;
+static int pool_threads = 1; /* including the caller */
+static _Atomic unsigned long long work;
+static _Atomic int chunks_done, sleepers;
+static atomic_flag pool_busy = ATOMIC_FLAG_INIT;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+
+static void run_chunk(int index) {
+    int lo = index * job.chunk, hi = lo + job.chunk < job.extent ? lo + job.chunk : job.extent;
+    int ta = job.transA != NoTrans, tb = job.transB != NoTrans;
+    if (job.kind == ROWS) /* C[:, lo:hi] = A @ B[lo:hi, :].T */
+        dot_rows(job.B, job.ldb, job.XI, job.A, job.lda, job.C, job.ldc, job.M, lo, hi, job.K, job.alpha,
+                 job.beta);
+    else if (job.kind == GEMM_COLUMNS) /* C[:, lo:hi] = op(A) @ op(B)[:, lo:hi] */
+        real_sgemm(RowMajor, job.transA, job.transB, job.M, hi - lo, job.K, job.alpha, job.A, job.lda,
+                   job.B + (tb ? (long)lo * job.ldb : lo), job.ldb, job.beta, job.C + lo, job.ldc);
+    else /* C[lo:hi, :] = op(A)[lo:hi, :] @ op(B) */
+        real_sgemm(RowMajor, job.transA, job.transB, hi - lo, job.N, job.K, job.alpha,
+                   job.A + (ta ? lo : (long)lo * job.lda), job.lda, job.B, job.ldb, job.beta,
+                   job.C + (long)lo * job.ldc, job.ldc);
+}
+
+/* Claim and run chunks of product `gen` until none is left or another product has begun. */
+static void run_chunks(unsigned gen) {
+    unsigned long long w = atomic_load(&work);
+    while ((unsigned)(w >> 32) == gen && (int)(unsigned)w < job.chunks) {
+        if (!atomic_compare_exchange_weak(&work, &w, w + 1))
+            continue; /* w now holds the fresh value */
+        run_chunk((int)(unsigned)w);
+        atomic_fetch_add(&chunks_done, 1);
+        w = atomic_load(&work);
+    }
+}
+
+static long elapsed_ns(const struct timespec *since) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - since->tv_sec) * 1000000000L + (now.tv_nsec - since->tv_nsec);
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned seen = (unsigned)(atomic_load(&work) >> 32);
+    for (;;) {
+        struct timespec start;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        for (int spins = 0; (unsigned)(atomic_load(&work) >> 32) == seen; spins++) {
+            if (spins < PAUSE_SPINS)
+                cpu_relax();
+            else
+                sched_yield(); /* still ready in microseconds, but a busy core's other work runs */
+            if ((spins & 255) == 255 && elapsed_ns(&start) > SPIN_NS) {
+                pthread_mutex_lock(&pool_lock);
+                atomic_fetch_add(&sleepers, 1);
+                while ((unsigned)(atomic_load(&work) >> 32) == seen)
+                    pthread_cond_wait(&pool_wake, &pool_lock);
+                atomic_fetch_sub(&sleepers, 1);
+                pthread_mutex_unlock(&pool_lock);
+            }
+        }
+        seen = (unsigned)(atomic_load(&work) >> 32);
+        run_chunks(seen);
+    }
+    return NULL;
+}
+
+/* Run `job` (filled in but for its chunking) on the pool, cut into chunks of a multiple of `align`
+ * (16 floats = one cache line of C) no smaller than `min_chunk`. */
+static void run_parallel(int extent, int min_chunk) {
+    int align = 16, per = (extent + pool_threads * CHUNKS_PER_THREAD - 1) / (pool_threads * CHUNKS_PER_THREAD);
+    per = per < min_chunk ? min_chunk : per;
+    job.extent = extent, job.chunk = (per + align - 1) / align * align;
+    job.chunks = (extent + job.chunk - 1) / job.chunk;
+    atomic_store(&chunks_done, 0);
+    unsigned gen = (unsigned)(atomic_load(&work) >> 32) + 1;
+    atomic_store(&work, (unsigned long long)gen << 32); /* seq_cst: a sleeper sees it or is seen */
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&pool_lock);
+        pthread_cond_broadcast(&pool_wake);
+        pthread_mutex_unlock(&pool_lock);
+    }
+    run_chunks(gen);
+    for (int spins = 0; atomic_load(&chunks_done) < job.chunks; spins++) {
+        if (spins < PAUSE_SPINS)
+            cpu_relax();
+        else
+            sched_yield(); /* a worker holding a chunk was preempted: let it run */
+    }
+}
+
+/* Take the pool, or return 0 when it has one thread or another thread of this process has it. */
+static int take_pool(void) { return pool_threads > 1 && !atomic_flag_test_and_set(&pool_busy); }
+static void release_pool(void) { atomic_flag_clear(&pool_busy); }
+
+/* X interleaved for dot_rows: for each `lanes`-wide column block, the M rows' vectors in turn.
+ * Thread-local, grown as needed; X itself when M == 1 (the same layout). */
+static const float *interleave(const float *X, int ldx, int M, int K) {
+    static __thread float *buffer;
+    static __thread size_t capacity;
+    if (M == 1)
+        return X;
+    size_t need = (size_t)M * K;
+    if (need > capacity) {
+        free(buffer);
+        buffer = malloc(need * sizeof(float));
+        capacity = buffer ? need : 0;
+        if (buffer == NULL)
+            return NULL;
+    }
+    int blocks = K / lanes;
+    for (int b = 0; b < blocks; b++)
+        for (int m = 0; m < M; m++)
+            memcpy(buffer + ((size_t)b * M + m) * lanes, X + (size_t)m * ldx + (size_t)b * lanes,
+                   lanes * sizeof(float));
+    return buffer;
+}
+
+/* C[:M, :N] = alpha * A[:M, :K] @ B[:N, :K].T + beta * C, M <= SKINNY_MAX: x @ W.T, every nn.Linear
+ * in decode (M = sequences in the batch). 0 if it could not (no memory): use OpenBLAS then. */
+static int rows_product(const float *A, int lda, const float *B, int ldb, float *C, int ldc, int M, int N,
+                        int K, float alpha, float beta) {
+    const float *XI = interleave(A, lda, M, K);
+    if (XI == NULL)
+        return 0;
+    if ((long)N * K < PARALLEL_MIN_FLOATS || N < 64 || !take_pool()) {
+        dot_rows(B, ldb, XI, A, lda, C, ldc, M, 0, N, K, alpha, beta);
+        return 1;
+    }
+    job.kind = ROWS, job.A = A, job.lda = lda, job.XI = XI, job.B = B, job.ldb = ldb, job.C = C;
+    job.ldc = ldc, job.M = M, job.N = N, job.K = K, job.alpha = alpha, job.beta = beta;
+    run_parallel(N, 16);
+    release_pool();
+    return 1;
+}
+
+/* Row-major sgemm on the pool: split the longer of M and N into blocks. */
+static void gemm_product(int transA, int transB, int M, int N, int K, float alpha, const float *A,
+                         int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if ((double)M * N * K < PARALLEL_MIN_MACS || (M < 64 && N < 64) || !take_pool()) {
+        real_sgemm(RowMajor, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    job.kind = N >= M ? GEMM_COLUMNS : GEMM_ROWS, job.transA = transA, job.transB = transB;
+    job.M = M, job.N = N, job.K = K, job.A = A, job.lda = lda, job.B = B, job.ldb = ldb;
+    job.C = C, job.ldc = ldc, job.alpha = alpha, job.beta = beta;
+    run_parallel(N >= M ? N : M, 64); /* OpenBLAS packs A (or B) again for every block */
+    release_pool();
+}
+
+static void single_threaded_after_fork(void) { pool_threads = 1; } /* the workers stayed behind */
+
+static void start_pool(void) {
+    const char *env = getenv("SHOAL_BLAS_THREADS");
+    int threads = env && env[0] ? atoi(env) : 1;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    pthread_atfork(NULL, NULL, single_threaded_after_fork);
+    for (int i = 1; i < threads; i++) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, worker, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed)
+            break;
+        pool_threads = i + 1;
+    }
+}
+
+/* ---------------------------------------------------------------- setup and fallback ----------- */
+
+void cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                 float *, int);
+
+struct fallback_search {
+    const char *name;
+    void *self;
+    void *found;
+};
+
+/* dl_iterate_phdr callback: the first loaded object other than this one that exports `name`. */
+static int find_other(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct fallback_search *search = data;
+    if (info->dlpi_name == NULL || info->dlpi_name[0] == '\0')
+        return 0;
+    void *handle = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
+    if (handle == NULL)
+        return 0;
+    void *sym = dlsym(handle, search->name);
+    dlclose(handle);
+    if (sym != NULL && sym != search->self) {
+        search->found = sym;
+        return 1;
+    }
+    return 0;
+}
+
+static void *fallback(const char *name, void *self) {
+    struct fallback_search search = {name, self, NULL};
+    dl_iterate_phdr(find_other, &search);
+    return search.found;
+}
+
+typedef void (*set_threads_fn)(int);
+
+static void init(void) {
+    const char *gemv = getenv("SHOAL_SHIM_GEMV");
+    use_gemv = !(gemv != NULL && strcmp(gemv, "0") == 0);
+    const char *path = getenv("SHOAL_OPENBLAS_LIB");
+    if (path == NULL || path[0] == '\0')
+        path = SHOAL_OPENBLAS_DEFAULT;
+    void *lib = path[0] ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
+    set_threads_fn set_threads = NULL;
+    if (lib != NULL) {
+        real_sgemm = (sgemm_fn)dlsym(lib, "scipy_cblas_sgemm");
+        real_dgemm = (dgemm_fn)dlsym(lib, "scipy_cblas_dgemm");
+        real_sgemv = (sgemv_fn)dlsym(lib, "scipy_cblas_sgemv");
+        set_threads = (set_threads_fn)dlsym(lib, "scipy_openblas_set_num_threads");
+    }
+    if (real_sgemm == NULL || real_dgemm == NULL || real_sgemv == NULL || set_threads == NULL) {
+        fprintf(stderr, "shoal blas shim: cannot use OpenBLAS at '%s' (%s); using the default BLAS\n",
+                path, lib == NULL ? dlerror() : "missing symbols");
+        real_sgemm = (sgemm_fn)fallback("cblas_sgemm", (void *)cblas_sgemm);
+        real_dgemm = (dgemm_fn)fallback("cblas_dgemm", (void *)cblas_sgemm);
+        real_sgemv = NULL;
+        if (real_sgemm == NULL || real_dgemm == NULL) {
+            fprintf(stderr, "shoal blas shim: no other cblas_sgemm in this process; aborting\n");
+            abort();
+        }
+        return;
+    }
+    set_threads(1); /* the pool splits the work; OpenBLAS's own threads would fight it */
+    const char *kernel = getenv("SHOAL_SHIM_KERNEL");
+    kernel = kernel ? kernel : "";
+#if SHOAL_X86
+    __builtin_cpu_init();
+    if (strcmp(kernel, "openblas") == 0)
+        dot_rows = NULL;
+    else if (strcmp(kernel, "avx2") != 0 && __builtin_cpu_supports("avx512f"))
+        dot_rows = avx512_rows, lanes = 16;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        dot_rows = avx2_rows, lanes = 8;
+#else
+    (void)kernel;
+#endif
+    start_pool();
+}
+
+/* ---------------------------------------------------------------- the exported symbols --------- */
+
+/* y = alpha * op(A) x + beta * y through OpenBLAS sgemv; beta == 0 means "y is not read" (BLAS),
+ * and MLX hands over uninitialized memory, so zero it first (0 * NaN is NaN). */
+static void gemv(int trans, int rows, int cols, float alpha, const float *A, int lda, const float *x,
+                 int incx, float beta, float *y, int incy, int leny) {
+    if (beta == 0.0f)
+        for (int i = 0; i < leny; i++)
+            y[(long)i * incy] = 0.0f;
+    real_sgemv(RowMajor, trans, rows, cols, alpha, A, lda, x, incx, beta, y, incy);
+}
+
+void cblas_sgemm(int order, int transA, int transB, int M, int N, int K, float alpha, const float *A,
+                 int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    pthread_once(&once, init);
+    if (real_sgemv == NULL || M <= 0 || N <= 0 || K <= 0) { /* fallback BLAS, or nothing to split */
+        real_sgemm(order, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    if (order == ColMajor) { /* C^T = op(B)^T op(A)^T, row-major */
+        const float *T = A;
+        A = B, B = T;
+        int t = transA;
+        transA = transB, transB = t;
+        t = lda, lda = ldb, ldb = t;
+        t = M, M = N, N = t;
+    }
+    int ta = transA != NoTrans, tb = transB != NoTrans;
+    if (!use_gemv)
+        gemm_product(transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    else if (!ta && tb && M <= SKINNY_MAX && dot_rows != NULL && /* x @ W.T: nn.Linear in decode */
+             rows_product(A, lda, B, ldb, C, ldc, M, N, K, alpha, beta))
+        return;
+    else if (N == 1 && !ta && ldc == 1 && (tb || ldb == 1) && dot_rows != NULL) /* W @ x */
+        rows_product(B, K, A, lda, C, 1, 1, M, K, alpha, beta);
+    else if (M == 1) { /* row vector: c = a op(B), a is K long with stride (ta ? lda : 1) */
+        if (tb) /* B stored N x K */
+            gemv(NoTrans, N, K, alpha, B, ldb, A, ta ? lda : 1, beta, C, 1, N);
+        else /* B stored K x N */
+            gemv(Trans, K, N, alpha, B, ldb, A, ta ? lda : 1, beta, C, 1, N);
+    } else if (N == 1) { /* column vector: c = op(A) b, b is K long with stride (tb ? 1 : ldb) */
+        if (ta) /* A stored K x M */
+            gemv(Trans, K, M, alpha, A, lda, B, tb ? 1 : ldb, beta, C, ldc, M);
+        else /* A stored M x K */
+            gemv(NoTrans, M, K, alpha, A, lda, B, tb ? 1 : ldb, beta, C, ldc, M);
+    } else
+        gemm_product(transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+void cblas_dgemm(int order, int transA, int transB, int M, int N, int K, double alpha, const double *A,
+                 int lda, const double *B, int ldb, double beta, double *C, int ldc) {
+    pthread_once(&once, init);
+    real_dgemm(order, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}

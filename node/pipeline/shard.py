@@ -1,0 +1,269 @@
+"""One pipeline stage's share of a model: layers [start, end), plus the ends it owns.
+
+    shard = load_shard(path, start=0, end=15)     # first stage: embedding + layers 0..14
+    h = shard.forward(mx.array([tokens]), cache)  # hidden states after layer 14
+
+The first stage holds the token embedding, the last the final norm and the output head (for a
+model with tied embeddings that head *is* the embedding table, so the last stage keeps
+`embed_tokens` and uses it through `as_linear`). Middle stages hold only their layers.
+
+Memory follows the share: the model is built by mlx-lm with lazy weights (nothing is read from
+the safetensors files yet), the parts this stage does not run are dropped, and only then is what
+remains evaluated. The other layers' weights are never read into memory.
+
+The forward pass is spelled out here rather than borrowed from the model's `__call__`, because a
+stage must stop after its last layer and start from a received hidden state. It is the same
+sequence of operations mlx-lm's llama/qwen2/qwen3 run (embedding, attention mask from the cache,
+each layer, norm, head), so greedy tokens match a single process exactly. Families whose forward
+differs (scaled embeddings, extra inputs) are refused with `ShardError` rather than run wrongly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+log = logging.getLogger("shoal.pipeline")
+
+SUPPORTED_MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
+"""mlx-lm model files whose forward is exactly: embed, mask, layer(h, mask, cache) each, norm, head.
+(mlx-lm maps mistral and other llama-shaped families onto `llama`.)"""
+
+Prepare = Callable[[nn.Module], object]
+"""Called once on the pruned, still lazy shard, e.g. the runner's dtype policy; must evaluate it."""
+
+
+class ShardError(ValueError):
+    """The model or the layer range cannot be run as a pipeline stage."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which layers a stage runs, out of how many."""
+
+    start: int
+    end: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= self.num_layers:
+            raise ShardError(
+                f"layer range [{self.start}, {self.end}) is not a non-empty part of {self.num_layers} layers"
+            )
+
+    @property
+    def is_first(self) -> bool:
+        """Runs the embedding: its input is token ids."""
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Runs the final norm and head, and samples."""
+        return self.end == self.num_layers
+
+
+def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges of near-equal size, earlier stages taking the remainder."""
+    if not 1 <= stages <= num_layers:
+        raise ShardError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the last stage picks tokens: `mlx_lm.sample_utils.make_sampler`'s knobs plus a seed.
+
+    The seed is applied with `mx.random.seed` when the request starts on the stage that samples,
+    exactly as a single process seeds before `stream_generate`, so a seeded request draws the same
+    tokens as one process would.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> SamplingParams:
+        seed = meta.get("seed")
+        return cls(
+            temperature=float(meta.get("temperature", 0.0)),
+            top_p=float(meta.get("top_p", 0.0)),
+            min_p=float(meta.get("min_p", 0.0)),
+            top_k=int(meta.get("top_k", 0)),
+            seed=None if seed is None else int(seed),
+        )
+
+    def start(self) -> Sampler:
+        """Seed MLX's generator (when a seed is set) and return the sampler for one request."""
+        from mlx_lm.sample_utils import make_sampler
+
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+        sampler: Sampler = make_sampler(
+            temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k
+        )
+        return sampler
+
+
+class Shard(nn.Module):
+    """The modules one stage runs; `parameters()` is exactly what it holds in memory."""
+
+    def __init__(
+        self,
+        spec: ShardSpec,
+        *,
+        layers: list[nn.Module],
+        embed_tokens: nn.Module | None,
+        norm: nn.Module | None,
+        lm_head: nn.Module | None,
+        sliding_window: int | None,
+        config: dict[str, Any],
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        object.__setattr__(self, "config", config)  # plain data, not part of the module tree
+        self.sliding_window = sliding_window
+        self.layers = layers
+        # Only what the stage holds becomes a child: an absent part has no parameters at all.
+        if embed_tokens is not None:
+            self.embed_tokens = embed_tokens
+        if norm is not None:
+            self.norm = norm
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    def parameter_bytes(self) -> int:
+        """Bytes of every parameter this shard holds (what loading it costs in memory)."""
+        return sum(v.nbytes for _, v in cast(list[tuple[str, mx.array]], tree_flatten(self.parameters())))
+
+    def make_cache(self) -> list[Any]:
+        """A fresh KV cache for this stage's layers only, as the model's `make_cache` would build."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        return [
+            RotatingKVCache(max_size=self.sliding_window)
+            if getattr(layer, "use_sliding", False)
+            else KVCache()
+            for layer in self.layers
+        ]
+
+    def forward(self, x: mx.array, cache: list[Any]) -> mx.array:
+        """Token ids (first stage, shape [1, L]) or hidden states ([1, L, D]) -> hidden states.
+
+        Updates `cache` in place (lazily: evaluate the result or the cache to run it).
+        """
+        h = self["embed_tokens"](x) if self.spec.is_first else x
+        from mlx_lm.models.base import create_attention_mask
+
+        full_mask: Any = None
+        sliding_mask: Any = None
+        made_full = made_sliding = False
+        # One mask per kind, from the first cache of that kind, as mlx-lm's llama does: all caches
+        # of one kind in a stage have the same offset, so any of them gives the same mask.
+        for layer, c in zip(self.layers, cache, strict=True):
+            if getattr(layer, "use_sliding", False):
+                if not made_sliding:
+                    sliding_mask = create_attention_mask(h, c, window_size=self.sliding_window)
+                    made_sliding = True
+                h = layer(h, sliding_mask, cache=c)
+            else:
+                if not made_full:
+                    full_mask = create_attention_mask(h, c)
+                    made_full = True
+                h = layer(h, full_mask, cache=c)
+        return h
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Last stage: final norm and head over the last position, shape [1, vocab]."""
+        if not self.spec.is_last:
+            raise ShardError("only the last stage has the final norm and head")
+        out = self["norm"](h)
+        out = self["lm_head"](out) if "lm_head" in self else self["embed_tokens"].as_linear(out)
+        return out[:, -1, :]
+
+    def next_token(self, h: mx.array, sampler: Sampler) -> mx.array:
+        """Last stage: the next token after hidden states `h` (lazy, shape [1]), picked exactly as
+        mlx-lm's `generate_step` picks it."""
+        logits = self.logits(h)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs)
+
+
+def load_shard(
+    model_path: Path | str, *, start: int, end: int | None = None, prepare: Prepare | None = None
+) -> Shard:
+    """Load layers [start, end) of the mlx-lm model folder `model_path` (end None: to the last).
+
+    Reads config.json and the safetensors headers, then only the weights this stage runs.
+    Raises `ShardError` for an unsupported family or a bad range; loading errors propagate.
+    """
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(model_path), lazy=True)
+    family = type(model).__module__
+    inner = getattr(model, "model", None)
+    if family not in SUPPORTED_MODULES or inner is None:
+        raise ShardError(
+            f"model type {config.get('model_type')!r} ({family}) cannot be split into stages yet; "
+            f"supported: {', '.join(sorted(m.rsplit('.', 1)[1] for m in SUPPORTED_MODULES))}"
+        )
+    all_layers = list(inner.layers)
+    spec = ShardSpec(start, len(all_layers) if end is None else end, len(all_layers))
+    tied = bool(getattr(model.args, "tie_word_embeddings", "lm_head" not in model))
+    keep_embedding = spec.is_first or (spec.is_last and tied)
+    shard = Shard(
+        spec,
+        layers=all_layers[spec.start : spec.end],
+        embed_tokens=inner.embed_tokens if keep_embedding else None,
+        norm=inner.norm if spec.is_last else None,
+        lm_head=model["lm_head"] if spec.is_last and not tied else None,
+        sliding_window=getattr(inner, "sliding_window", None),
+        config=config,
+    )
+    # Drop every reference to the full model before anything is evaluated: the layers we did not
+    # keep are lazy arrays that were never read, and now never will be.
+    del model, inner, all_layers
+    if prepare is not None:
+        prepare(shard)
+    mx.eval(shard.parameters())
+    log.info(
+        "stage layers [%d, %d) of %d%s%s: %.1f MB of weights",
+        spec.start,
+        spec.end,
+        spec.num_layers,
+        " + embedding" if keep_embedding else "",
+        " + norm/head" if spec.is_last else "",
+        shard.parameter_bytes() / 1e6,
+    )
+    return shard

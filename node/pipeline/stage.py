@@ -1,0 +1,356 @@
+"""A pipeline stage after the first: receive hidden states, run this stage's layers, pass them on.
+
+    python -m node.pipeline.stage --model-path P --start S --end E --listen PORT [--next HOST:PORT]
+
+Loads only layers [S, E) (see `shard`), listens, and prints one line on stdout once it accepts
+connections: `SHOAL_STAGE_READY {"port": ..., "start": S, "end": E, "pid": ...}`.
+
+A session starts when the previous stage (or the driver) connects and says HELLO. The driver's
+HELLO carries the route: the address of every later hop, ending with the driver's own. A stage
+dials the route's first entry (or `--next`, which overrides it), says HELLO with the rest, and so
+on; the last stage's entry is the driver. Only the driver needs to know the topology, so stages
+can start in any order and in parallel, and the driver can pick its port when it starts.
+
+Per request (keyed by the driver's request number) the stage keeps a KV cache for its own layers.
+PREFILL frames fill it, DECODE frames run one position; the last stage samples on DECODE and
+acknowledges PREFILL chunks, both to the driver. RESET/CANCEL drop the cache and travel on (the
+last stage echoes them, so the driver knows the ring is clean). A step that fails (bad position,
+MLX error) drops that request and sends ERROR on to the driver; the stage keeps serving.
+
+When either link fails, the session ends: both links are closed (so the failure travels around
+the ring in both directions at once instead of waiting for timeouts), every cache is dropped,
+and the stage waits for a new upstream connection. A stage never outlives a `stop()` by more than
+the accept poll interval, and never blocks on a peer without a bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from node.pipeline.hop import (
+    CONNECT_TIMEOUT,
+    HOP_TIMEOUT,
+    Frame,
+    HopError,
+    InLink,
+    Kind,
+    OutLink,
+    accept,
+    dial,
+    listen,
+    parse_address,
+)
+from node.pipeline.shard import Sampler, SamplingParams, Shard, load_shard
+
+log = logging.getLogger("shoal.pipeline")
+
+READY_PREFIX = "SHOAL_STAGE_READY "
+MAX_LIVE_REQUESTS = 16
+"""Caches kept at once; the oldest is dropped beyond this (a driver that lost track of a request).
+The driver runs one request at a time, so normally there is one."""
+ACCEPT_POLL = 0.2
+"""Seconds between checks of the stop flag while waiting for an upstream connection."""
+
+
+class StepError(Exception):
+    """A step this stage cannot run; reported to the driver as an ERROR frame."""
+
+
+@dataclass
+class _Request:
+    cache: list[Any]
+    position: int
+    sampler: Sampler | None
+
+
+class StageServer:
+    """Serves one stage of a pipeline: `serve_forever` runs it until `stop()`.
+
+    Run it on a process's main thread, as `python -m node.pipeline.stage` does. On another thread
+    it works, but MLX 0.32 can abort the process at interpreter exit: a thread that ran the model
+    owns a thread-local `mx.compile` cache (mlx-lm compiles `swiglu`), whose destructor needs the
+    GIL, and if that thread ends while the interpreter finalizes, libstdc++ calls terminate.
+
+    `next_address`, when given, replaces the route's entry for the next hop (say, another
+    interface of that machine); `hop_timeout` bounds every wait on a neighbour, `connect_timeout`
+    the dial of the next one (it may still be loading).
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        next_address: tuple[str, int] | None = None,
+        hop_timeout: float = HOP_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        if shard.spec.is_first:
+            raise ValueError("the first stage is the driver (PipelineGenerator), not a StageServer")
+        self.shard = shard
+        self._next = next_address
+        self._hop_timeout = hop_timeout
+        self._connect_timeout = connect_timeout
+        self._listener = listen(host, port)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._stop = threading.Event()
+        self._requests: OrderedDict[int, _Request] = OrderedDict()
+        self._name = f"stage[{shard.spec.start},{shard.spec.end})"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    upstream = accept(self._listener, timeout=ACCEPT_POLL)
+                except HopError:
+                    continue
+                try:
+                    self._session(upstream)
+                except HopError as exc:
+                    log.warning("%s: ring broken: %s", self._name, exc)
+                finally:
+                    self._requests.clear()
+                    mx.clear_cache()
+        finally:
+            self._listener.close()
+
+    def _session(self, sock: Any) -> None:
+        inbound = InLink(sock, name="previous stage", timeout=self._hop_timeout)
+        outbound: OutLink | None = None
+        try:
+            hello = inbound.recv(timeout=self._hop_timeout)
+            if hello is None or hello.kind != Kind.HELLO:
+                raise HopError("the previous stage did not say HELLO")
+            if hello.meta.get("layer") != self.shard.spec.start:
+                raise HopError(
+                    f"the previous stage ends at layer {hello.meta.get('layer')}, "
+                    f"this one starts at {self.shard.spec.start}"
+                )
+            route = [str(hop) for hop in hello.meta.get("route", [])]
+            if not route:
+                raise HopError("the HELLO carries no route to the next stage")
+            target = self._next or parse_address(route[0])
+            outbound = OutLink(
+                dial(target, timeout=self._connect_timeout),
+                name="next stage" if not self.shard.spec.is_last else "driver",
+                send_timeout=self._hop_timeout,
+                on_broken=inbound.fail,
+            )
+            outbound.send(
+                Frame(Kind.HELLO, meta={**hello.meta, "layer": self.shard.spec.end, "route": route[1:]})
+            )
+            log.info("%s: ring up (next: %s:%d)", self._name, *target)
+            while not self._stop.is_set():
+                frame = inbound.recv(timeout=ACCEPT_POLL)
+                if frame is not None:
+                    self._handle(frame, outbound)
+        finally:
+            inbound.close()
+            if outbound is not None:
+                outbound.close()
+
+    def _handle(self, frame: Frame, out: OutLink) -> None:
+        if frame.kind in (Kind.PREFILL, Kind.DECODE):
+            try:
+                self._step(frame, out)
+            except StepError as exc:
+                self._fail_request(frame.request, str(exc), out)
+            except (RuntimeError, ValueError, TypeError) as exc:  # how MLX reports a bad shape/dtype
+                log.exception("%s: step failed", self._name)
+                self._fail_request(frame.request, f"{type(exc).__name__}: {exc}", out)
+        elif frame.kind in (Kind.RESET, Kind.CANCEL, Kind.ERROR):
+            self._requests.pop(frame.request, None)
+            out.send(frame)  # on to the next stage; from the last, the echo to the driver
+        else:
+            raise HopError(f"unexpected {frame.kind.name} frame from the previous stage")
+
+    def _fail_request(self, request: int, message: str, out: OutLink) -> None:
+        self._requests.pop(request, None)
+        out.send(Frame(Kind.ERROR, request, meta={"message": f"{self._name}: {message}"}))
+
+    def _step(self, frame: Frame, out: OutLink) -> None:
+        started = time.perf_counter()
+        spec = self.shard.spec
+        state = self._requests.get(frame.request)
+        if state is None:
+            if frame.position != 0:
+                raise StepError(f"request {frame.request} is unknown here (its cache was dropped)")
+            sampler = (
+                SamplingParams.from_meta(dict(frame.meta.get("sampling", {}))).start()
+                if spec.is_last
+                else None
+            )
+            state = self._requests[frame.request] = _Request(self.shard.make_cache(), 0, sampler)
+            while len(self._requests) > MAX_LIVE_REQUESTS:
+                dropped, _ = self._requests.popitem(last=False)
+                log.warning(
+                    "%s: dropped the cache of request %d (too many live requests)", self._name, dropped
+                )
+        if frame.position != state.position:
+            raise StepError(f"step at position {frame.position}, but the cache holds {state.position}")
+        x = frame.tensor
+        if x is None or x.ndim != (2 if spec.is_first else 3) or x.shape[0] != 1:
+            raise StepError(f"bad input tensor {None if x is None else x.shape}")
+        h = self.shard.forward(x, state.cache)
+        state.position += x.shape[1]
+        if not spec.is_last:
+            mx.eval(h)
+            meta = dict(frame.meta)
+            if frame.kind == Kind.DECODE:
+                meta["busy_us"] = [*meta.get("busy_us", ()), _since_us(started)]
+            out.send(Frame(frame.kind, frame.request, frame.position, h, meta))
+        elif frame.kind == Kind.PREFILL:
+            # Like mlx-lm's prefill: only the caches are needed, not the last layer's output.
+            mx.eval([c.state for c in state.cache])
+            out.send(Frame(Kind.ACK, frame.request, state.position))
+        else:
+            assert state.sampler is not None
+            token = self.shard.next_token(h, state.sampler).astype(mx.int32)
+            mx.eval(token)
+            meta = {"busy_us": [*frame.meta.get("busy_us", ()), _since_us(started)]}
+            out.send(Frame(Kind.TOKEN, frame.request, state.position, token, meta))
+        if frame.kind == Kind.PREFILL:
+            mx.clear_cache()
+
+
+def _since_us(started: float) -> int:
+    """Microseconds of work since `started`, reported along the ring so the driver can tell the
+    stages' own time from the hops' (see `RingStats`)."""
+    return int((time.perf_counter() - started) * 1e6)
+
+
+@dataclass
+class StageProcess:
+    """A stage running as its own OS process (see `spawn_stage`)."""
+
+    process: subprocess.Popen[str]
+    address: tuple[str, int]
+    start: int
+    end: int
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def spawn_stage(
+    model_path: Path | str,
+    *,
+    start: int,
+    end: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    next_address: tuple[str, int] | None = None,
+    hop_timeout: float = HOP_TIMEOUT,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> StageProcess:
+    """Start `python -m node.pipeline.stage`; returns at once (call `wait_ready` next).
+
+    Starting several stages and then waiting for all loads them in parallel.
+    """
+    command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
+    command += ["--start", str(start), "--listen", f"{host}:{port}", "--hop-timeout", str(hop_timeout)]
+    if end is not None:
+        command += ["--end", str(end)]
+    if next_address is not None:
+        command += ["--next", f"{next_address[0]}:{next_address[1]}"]
+    process = subprocess.Popen(
+        [*command, *extra_args], stdout=subprocess.PIPE, text=True, env=None if env is None else dict(env)
+    )
+    return StageProcess(process, (host, port), start, -1 if end is None else end)
+
+
+def wait_ready(stage: StageProcess, *, timeout: float = 120.0) -> StageProcess:
+    """Read the stage's ready line; RuntimeError if it exits or stays silent for `timeout` s."""
+    assert stage.process.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(stage.process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            line = stage.process.stdout.readline()
+            if not line:
+                stage.process.wait()
+                raise RuntimeError(f"stage [{stage.start}, ...) exited with {stage.process.returncode}")
+            if line.startswith(READY_PREFIX):
+                ready = json.loads(line[len(READY_PREFIX) :])
+                stage.address = (stage.address[0], int(ready["port"]))
+                stage.end = int(ready["end"])
+                stage.process.stdout.close()
+                return stage
+    stage.stop()
+    raise RuntimeError(f"stage [{stage.start}, ...) was not ready within {timeout:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node.pipeline.stage", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", type=Path, required=True)
+    parser.add_argument("--start", type=int, required=True, help="first layer this stage runs")
+    parser.add_argument("--end", type=int, default=None, help="one past its last layer (default: the last)")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="[HOST:]PORT to accept the previous stage on")
+    parser.add_argument(
+        "--next", default=None, help="HOST:PORT of the next hop, overriding the route the driver sends"
+    )
+    parser.add_argument("--hop-timeout", type=float, default=HOP_TIMEOUT)
+    parser.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT)
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "stored"),
+        default="auto",
+        help="auto: the runner's dtype policy (float32 on the CPU); stored: run the checkpoint's dtype",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="stage: %(message)s", stream=sys.stderr)
+
+    prepare = None
+    if args.dtype == "auto":
+        from node.runner.dtype import apply_dtype_policy
+
+        prepare = apply_dtype_policy
+    shard = load_shard(args.model_path, start=args.start, end=args.end, prepare=prepare)
+    host, port = parse_address(args.listen) if ":" in args.listen else ("127.0.0.1", int(args.listen))
+    server = StageServer(
+        shard,
+        host=host,
+        port=port,
+        next_address=parse_address(args.next) if args.next else None,
+        hop_timeout=args.hop_timeout,
+        connect_timeout=args.connect_timeout,
+    )
+    ready = {"port": server.address[1], "start": shard.spec.start, "end": shard.spec.end, "pid": os.getpid()}
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+    # From now on stdout is the log: whoever started us may stop reading the pipe.
+    os.dup2(2, 1)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Control requests to the leader over `/shoal/control/1.0.0`: place, preview and delete instances.
+
+Any node accepts `POST /v1/instances`; it resolves the model itself (so it can read the model's shape)
+and forwards a `PlaceInstance` to the leader, which alone writes instance records. Encoded like the
+runner wire: pydantic messages as CBOR, one message per request or answer; bad bytes raise
+`ControlWireError` (the message is dropped, never a crash).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import cbor2
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from protocol.cluster_view import InstanceView
+from protocol.placement import ModelShape
+
+CONTROL_PROTOCOL = "/shoal/control/1.0.0"
+MAX_CONTROL_BYTES = 1024 * 1024
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PlaceInstance(_Message):
+    """Place `source` (served as `model`); `preview` computes the plan without writing it."""
+
+    type: Literal["place"] = "place"
+    model: str
+    source: str
+    shape: ModelShape
+    nodes: int | None = None
+    preview: bool = False
+
+
+class DeleteInstance(_Message):
+    type: Literal["delete"] = "delete"
+    instance_id: str
+
+
+class ControlAnswer(_Message):
+    """`status` follows HTTP: 200/201 done, 404 unknown instance, 409 not leader, 422 does not fit."""
+
+    type: Literal["answer"] = "answer"
+    status: int
+    error: str | None = None
+    instance: InstanceView | None = None
+    stage_bytes: tuple[int, ...] = ()
+
+
+ControlMessage = Annotated[PlaceInstance | DeleteInstance | ControlAnswer, Field(discriminator="type")]
+_adapter: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
+
+
+class ControlWireError(ValueError):
+    """The peer sent bytes that are not a control message."""
+
+
+def encode_control(message: ControlMessage) -> bytes:
+    return cbor2.dumps(message.model_dump(mode="json"))
+
+
+def decode_control(data: bytes) -> ControlMessage:
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ControlWireError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        return _adapter.validate_python(cbor2.loads(data))
+    except (cbor2.CBORDecodeError, ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise ControlWireError(f"undecodable control message: {exc}") from exc

@@ -1,0 +1,103 @@
+"""The wire of `/shoal/generate/1.0.0`: a generation run on another node, its events streamed back.
+
+One channel (node/net/channel.py: length-prefixed frames over one libp2p stream) per request,
+straight between the node that accepted the request and the instance's entry node:
+
+    requester -> entry node:  Generate, then at most one Cancel (or just closing its side)
+    entry node -> requester:  any mix of KeepAlive and Event, up to the one terminal Event
+                              (`Finish` or `GenerationError`); then it closes its side
+
+Each frame is one CBOR-encoded message, a tagged union of frozen pydantic models as in
+`runner_wire`. Sans-I/O: `encode`/`decode_*` only; `node/routing.py` moves the bytes.
+The `type` tags are ONLY APPENDED: a node never reuses or renames one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+import cbor2
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from protocol.chat import GenerateRequest
+from protocol.events import ChunkEvent
+
+GENERATE_PROTOCOL = "/shoal/generate/1.0.0"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Cap on one message, both ways (as `runner_wire.MAX_FRAME_BYTES`): a request may carry a long
+conversation; events are small. A larger one is a protocol violation."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# Requester -> entry node.
+class Generate(_Message):
+    """Run this request on your local model; the first message of every channel."""
+
+    type: Literal["generate"] = "generate"
+    request: GenerateRequest
+
+
+class Cancel(_Message):
+    """Stop the generation; the entry node keeps streaming until the runner's `Finish(cancelled)`."""
+
+    type: Literal["cancel"] = "cancel"
+
+
+# Entry node -> requester.
+class Event(_Message):
+    type: Literal["event"] = "event"
+    event: ChunkEvent
+
+
+class KeepAlive(_Message):
+    """Sent when the entry node has had nothing to send for a while (model loading, long prefill,
+    slow decode), so that the requester can tell a slow node from a dead one."""
+
+    type: Literal["keep_alive"] = "keep_alive"
+
+
+RequesterMessage = Annotated[Generate | Cancel, Field(discriminator="type")]
+EntryMessage = Annotated[Event | KeepAlive, Field(discriminator="type")]
+_requester: TypeAdapter[RequesterMessage] = TypeAdapter(RequesterMessage)
+_entry: TypeAdapter[EntryMessage] = TypeAdapter(EntryMessage)
+
+
+class GenerateWireError(ValueError):
+    """Bytes that are not a valid message of this protocol (or a message over the size cap)."""
+
+
+def encode(message: Generate | Cancel | Event | KeepAlive) -> bytes:
+    body: bytes = cbor2.dumps(message.model_dump(mode="json"))
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise GenerateWireError(f"message of {len(body)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
+    return body
+
+
+def decode_requester_message(body: bytes) -> RequesterMessage:
+    return _decode(_requester, body)
+
+
+def decode_entry_message(body: bytes) -> EntryMessage:
+    return _decode(_entry, body)
+
+
+_T = TypeVar("_T")
+
+
+def _decode(adapter: TypeAdapter[_T], body: bytes) -> _T:
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise GenerateWireError(f"message of {len(body)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
+    try:
+        return adapter.validate_python(cbor2.loads(body))
+    except (
+        cbor2.CBORDecodeError,
+        ValidationError,
+        ValueError,
+        TypeError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
+        raise GenerateWireError(f"undecodable generate message: {exc}") from exc

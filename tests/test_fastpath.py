@@ -1,0 +1,345 @@
+"""The runner's fast CPU path (BLAS shim, threads) and its load-time dtype policy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from node.runner import fastpath
+from node.runner.dtype import apply_dtype_policy
+from node.runner.engine import load_model
+from tests.model_factory import TOKENIZER_FILES, make_random_model
+from tests.nodes import RunningNode, start_node
+
+SHIM = fastpath.DEFAULT_SHIM
+needs_shim = pytest.mark.skipif(
+    not (sys.platform == "linux" and SHIM.is_file() and fastpath._openblas_library() is not None),
+    reason=f"the BLAS shim is not built ({SHIM}); `make install` builds it when a C compiler exists",
+)
+PROMPTS = ["Tell me a long story.", "What is the capital of France?", "Count to twenty: 1, 2, 3,"]
+
+
+# --- the shim itself ---------------------------------------------------------------------------
+
+_MATMUL_CHECK = """
+import os, mlx.core as mx, numpy as np
+rng = np.random.default_rng(0)
+worst = 0.0
+# decode's matrix-vector shapes (split across threads above 256 KB), odd sizes, and prefill shapes
+for M, N, K in [(1, 1024, 512), (1, 1000, 333), (1, 77, 4099), (1, 49, 64), (700, 1, 300),
+                (2, 1024, 1024), (3, 999, 77), (5, 700, 2048), (8, 1030, 1037), (9, 500, 64),
+                (256, 768, 512), (100, 1500, 257), (1500, 100, 257), (65, 1027, 33)]:
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    b = rng.standard_normal((N,)).astype(np.float32)
+    ref = a.astype(np.float64) @ w.T.astype(np.float64)
+    A, W = mx.array(a), mx.array(w)
+    for got, want in ((A @ W.T, ref), (mx.addmm(mx.array(b), A, W.T), ref + b), (W @ A.T, ref.T),
+                      (A @ mx.array(w.T.copy()), ref), (mx.array(a.T.copy()).T @ W.T, ref)):
+        got = np.asarray(got)
+        worst = max(worst, float(np.max(np.abs(got - want)) / np.max(np.abs(want))))
+    if M <= 8 and os.environ["SHOAL_SHIM_KERNEL"] != "openblas":  # decode batches: rows as if alone
+        alone = np.concatenate([np.asarray(A[i : i + 1] @ W.T) for i in range(M)])
+        assert (np.asarray(A @ W.T) == alone).all(), (M, N, K)
+print(worst)
+"""
+
+
+def _run_preloaded(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    fast = fastpath.decide({})
+    assert fast.enabled, fast.message
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **fast.env, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@needs_shim
+@pytest.mark.parametrize(("kernel", "threads"), [("", "1"), ("", "2"), ("avx2", "3"), ("openblas", "2")])
+def test_shim_products_match_float64(kernel: str, threads: str) -> None:
+    """Every product shape MLX sends, through each kernel and thread count, is right to float32."""
+    done = _run_preloaded(_MATMUL_CHECK, SHOAL_SHIM_KERNEL=kernel, SHOAL_BLAS_THREADS=threads)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 1e-5, done.stdout
+
+
+@needs_shim
+def test_shim_is_much_faster_than_the_reference_blas() -> None:
+    code = """
+import time, mlx.core as mx
+a, w = mx.random.normal((256, 1024)), mx.random.normal((1024, 1024))
+mx.eval(a @ w.T)
+start = time.perf_counter()
+for _ in range(4):
+    mx.eval(a @ w.T)
+print(4 * 2 * 256 * 1024 * 1024 / (time.perf_counter() - start) / 1e9)
+"""
+    fast = float(_run_preloaded(code).stdout.split()[-1])
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    slow = float(plain.stdout.split()[-1])
+    assert fast > 5 * slow, f"{fast:.1f} GFLOP/s with the shim, {slow:.1f} without"
+
+
+def test_shim_falls_back_to_the_default_blas_when_openblas_is_missing() -> None:
+    if not SHIM.is_file():
+        pytest.skip("the BLAS shim is not built")
+    code = "import mlx.core as mx; a = mx.ones((8, 8)); print(float((a @ a).sum()))"
+    env = {**os.environ, "LD_PRELOAD": str(SHIM), "SHOAL_OPENBLAS_LIB": "/nonexistent/libopenblas.so"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) == 512.0
+    assert "cannot use OpenBLAS at '/nonexistent/libopenblas.so'" in done.stderr
+
+
+# --- the decision --------------------------------------------------------------------------------
+
+
+def test_decision_off_when_disabled_or_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fastpath.decide({"SHOAL_FAST_PATH": "0"}) == fastpath.FastPath(
+        False, "fast CPU path off: disabled by configuration; using plain MLX"
+    )
+    assert not fastpath.decide({}, enabled=False).enabled
+    missing = fastpath.decide({"SHOAL_BLAS_SHIM": "/nonexistent/shim.so"})
+    assert missing.env == {} and "/nonexistent/shim.so is not built" in missing.message
+    monkeypatch.setattr(fastpath, "_default_device_is_gpu", lambda: True)
+    gpu = fastpath.decide({}).message
+    assert gpu == "fast CPU path off: MLX's default device is the GPU; using plain MLX"
+    monkeypatch.setattr(fastpath.sys, "platform", "darwin")
+    assert "only built for Linux (this is darwin)" in fastpath.decide({}).message
+
+
+def test_runner_environment_never_raises(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    def broken(environ: Any = None, *, enabled: bool = True) -> fastpath.FastPath:
+        raise OSError("no /sys here")
+
+    monkeypatch.setattr(fastpath, "decide", broken)
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        assert fastpath.runner_environment({}) == {}
+    assert caplog.messages == ["fast CPU path off: OSError: no /sys here; using plain MLX"]
+
+
+@needs_shim
+def test_decision_on_appends_to_ld_preload_and_respects_thread_choice() -> None:
+    fast = fastpath.decide({"LD_PRELOAD": "/opt/user.so", "OPENBLAS_NUM_THREADS": "3"})
+    assert fast.enabled and fast.message.startswith("fast CPU path on: ")
+    assert fast.env["LD_PRELOAD"] == f"/opt/user.so:{SHIM}"
+    assert fast.env["SHOAL_BLAS_THREADS"] == "3" and fast.env["OPENBLAS_NUM_THREADS"] == "1"
+    default = fastpath.decide({})
+    assert default.env["SHOAL_BLAS_THREADS"] == str(fastpath.usable_cores())
+
+
+def _fake_cpu(sysfs: Path, cpu: int, package: int, core: int) -> None:
+    topology = sysfs / f"cpu{cpu}" / "topology"
+    topology.mkdir(parents=True)
+    (topology / "physical_package_id").write_text(f"{package}\n")
+    (topology / "core_id").write_text(f"{core}\n")
+
+
+def test_usable_cores_counts_hyperthreads_once_and_obeys_cgroup_quota(tmp_path: Path) -> None:
+    sysfs = tmp_path / "cpu"
+    for cpu in range(8):  # 2 packages x 2 cores x 2 hyperthreads
+        _fake_cpu(sysfs, cpu, package=cpu // 4, core=(cpu // 2) % 2)
+    no_quota = tmp_path / "cpu.max"
+    no_quota.write_text("max 100000\n")
+    assert fastpath.usable_cores(set(range(8)), sysfs=sysfs, cpu_max=no_quota) == 4
+    assert fastpath.usable_cores({0, 1}, sysfs=sysfs, cpu_max=no_quota) == 1
+    assert fastpath.usable_cores({0, 2, 4}, sysfs=sysfs, cpu_max=tmp_path / "missing") == 3
+    quota = tmp_path / "quota"
+    quota.write_text("150000 100000\n")  # 1.5 CPUs
+    assert fastpath.usable_cores(set(range(8)), sysfs=sysfs, cpu_max=quota) == 2
+    assert fastpath.usable_cores({5}, sysfs=tmp_path / "no-sysfs", cpu_max=no_quota) == 1
+
+
+# --- through real nodes --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_node(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningNode]:
+    """A node whose shim is "missing": the fallback path, serving plain MLX."""
+    node = start_node(
+        data_dir=tmp_path_factory.mktemp("data"),
+        model=str(random_model_dir),
+        env={"SHOAL_BLAS_SHIM": "/nonexistent/libshoal_blas_shim.so"},
+    )
+    yield node
+    node.stop()
+
+
+def _greedy_deltas(node: RunningNode, prompt: str, max_tokens: int = 24) -> list[str]:
+    body = {
+        "model": node.model_id,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    deltas = []
+    with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    if content := choice["delta"].get("content"):
+                        deltas.append(content)
+    return deltas
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_fallback_node_serves_and_logs_one_line(plain_node: RunningNode) -> None:
+    assert _greedy_deltas(plain_node, PROMPTS[0], max_tokens=4)
+    lines = [line for line in plain_node.log if "fast CPU path" in line]
+    assert len(lines) == 1, lines
+    assert "fast CPU path off: the BLAS shim /nonexistent/libshoal_blas_shim.so is not built" in lines[0]
+    assert "using plain MLX" in lines[0]
+    assert "libshoal_blas_shim" not in _maps(plain_node.runner_pid())
+    assert "libshoal_blas_shim" not in _maps(plain_node.process.pid)
+
+
+@needs_shim
+def test_fast_path_gives_the_same_greedy_tokens_as_plain_mlx(
+    random_node: RunningNode, plain_node: RunningNode
+) -> None:
+    assert any("fast CPU path on: " in line for line in random_node.log)
+    assert str(SHIM) in _maps(random_node.runner_pid())  # the runner really runs on the shim
+    assert "libshoal_blas_shim" not in _maps(random_node.process.pid)  # and the node never does
+    for prompt in PROMPTS:
+        fast = _greedy_deltas(random_node, prompt)
+        assert len(fast) > 5
+        assert fast == _greedy_deltas(plain_node, prompt), prompt
+
+
+# --- the dtype policy ----------------------------------------------------------------------------
+
+
+def _params(model: Any) -> list[tuple[str, mx.array]]:
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+def _write_model(dst: Path, weights: dict[str, mx.array], config: dict[str, Any], tokenizer: Path) -> Path:
+    dst.mkdir(parents=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dst / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    _copy_tokenizer(tokenizer, dst)
+    return dst
+
+
+def _quantized_copy(src: Path, dst: Path, *, bits: int = 4, group_size: int = 32) -> Path:
+    """`src` quantized the way `mlx_lm.convert -q` does it (bf16 scales for a bf16 model)."""
+    from mlx_lm.utils import load, quantize_model
+
+    model, _tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], load(str(src), return_config=True))
+    model, config = quantize_model(model, config, group_size=group_size, bits=bits)
+    return _write_model(dst, dict(_params(model)), config, src)
+
+
+def _dequantize_numpy(weights: dict[str, mx.array], bits: int, group_size: int) -> dict[str, mx.array]:
+    """Affine dequantization written out independently: w = q * scale + bias, in float32."""
+    out = {}
+    for name, value in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name.removesuffix(".weight")
+        if value.dtype == mx.uint32 and f"{base}.scales" in weights:
+            words = np.asarray(value)
+            q = np.stack([(words >> (bits * i)) & (2**bits - 1) for i in range(32 // bits)], axis=-1)
+            q = q.reshape(words.shape[0], -1).astype(np.float32)
+            scales = np.asarray(weights[f"{base}.scales"].astype(mx.float32))
+            biases = np.asarray(weights[f"{base}.biases"].astype(mx.float32))
+            dense = q * np.repeat(scales, group_size, axis=1) + np.repeat(biases, group_size, axis=1)
+            out[name] = mx.array(dense)
+        else:
+            out[name] = value.astype(mx.float32)
+    return out
+
+
+def _greedy_tokens(model_dir: Path, prompt: list[int], n: int = 16) -> list[int]:
+    from mlx_lm import stream_generate
+
+    loaded = load_model(model_dir, vocab_dir=None)
+    params = _params(loaded.model)
+    assert {str(v.dtype) for _, v in params} == {"mlx.core.float32"}
+    return [r.token for r in stream_generate(loaded.model, loaded.tokenizer, mx.array(prompt), max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("models") / "bf16", tokenizer_from=builtin_model_dir, dtype="bfloat16"
+    )
+
+
+def test_bf16_model_runs_as_float32_on_the_cpu(bf16_model: Path, tmp_path: Path, caplog: Any) -> None:
+    weights = mx.load(str(bf16_model / "model.safetensors"))
+    assert isinstance(weights, dict)
+    config = json.loads((bf16_model / "config.json").read_text())
+    ahead = _write_model(
+        tmp_path / "f32", {k: v.astype(mx.float32) for k, v in weights.items()}, config, bf16_model
+    )
+    prompt = list(range(200, 232))
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        tokens = _greedy_tokens(bf16_model, prompt)
+        assert tokens == _greedy_tokens(ahead, prompt)
+    converted, as_stored = caplog.messages
+    assert converted.startswith("weights: float32, converted at load from bfloat16 (float32 is the fastest")
+    assert as_stored == "weights: float32 as stored (the fastest dtype on the CPU)"
+
+
+def test_quantized_model_is_dequantized_to_float32(bf16_model: Path, tmp_path: Path, caplog: Any) -> None:
+    quantized = _quantized_copy(bf16_model, tmp_path / "q4")
+    weights = mx.load(str(quantized / "model.safetensors"))
+    assert isinstance(weights, dict) and weights["model.layers.0.mlp.up_proj.weight"].dtype == mx.uint32
+    config = json.loads((quantized / "config.json").read_text())
+    plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    ahead = _write_model(tmp_path / "f32", _dequantize_numpy(weights, 4, 32), plain, bf16_model)
+
+    loaded = load_model(quantized, vocab_dir=None)
+    reference = mx.load(str(ahead / "model.safetensors"))
+    assert isinstance(reference, dict)
+    for name, value in _params(loaded.model):
+        assert value.dtype == mx.float32, name
+        assert mx.allclose(value, reference[name], rtol=1e-6, atol=1e-7).item(), name
+    prompt = list(range(300, 340))
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        tokens = _greedy_tokens(quantized, prompt)
+    assert tokens == _greedy_tokens(ahead, prompt)
+    assert any("dequantized at load from 4-bit affine + bfloat16" in m for m in caplog.messages)
+
+
+def test_dtype_kept_as_stored_without_memory_or_on_a_gpu(bf16_model: Path) -> None:
+    from mlx_lm.utils import load
+
+    model = load(str(bf16_model), lazy=True)[0]
+    decision = apply_dtype_policy(model, available=10_000_000)  # 10 MB free
+    assert not decision.converted and decision.stored == "bfloat16"
+    assert "NOT converted to float32" in decision.message and "only 0.0 GB available" in decision.message
+    assert {v.dtype for _, v in _params(model)} == {mx.bfloat16}
+
+    model = load(str(bf16_model), lazy=True)[0]
+    decision = apply_dtype_policy(model, device=mx.Device(mx.gpu))
+    assert not decision.converted
+    assert decision.message == "weights: bfloat16 as stored (on the GPU the stored dtype is fastest)"
