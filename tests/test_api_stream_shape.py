@@ -135,7 +135,11 @@ def test_openai_sdk_parses_stream_and_completion(random_node: RunningNode, model
     chunks = list(stream)
     assert len({chunk.id for chunk in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices == [] and chunks[-1].usage == completion.usage
+    streamed_usage, whole = chunks[-1].usage, completion.usage
+    assert chunks[-1].choices == [] and streamed_usage is not None and whole is not None
+    # (cached_tokens differ: the second request reuses the first one's prefix.)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(streamed_usage, c) for c in counts] == [getattr(whole, c) for c in counts]
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert streamed == message.content, "greedy decoding gave a different answer streamed"
     assert chunks[-2].choices[0].finish_reason == completion.choices[0].finish_reason

@@ -288,9 +288,9 @@ def test_greedy_tokens_match_one_process(random_ring: PipelineGenerator, six_lay
     expected = single_process(six_layers, prompt, max_tokens=24, prefill_step_size=8)
     assert run(random_ring, six_layers, prompt, max_tokens=24, prefill_step_size=8) == expected
     # One chunk (the default step) and a one-token prompt take the other paths through prefill.
-    assert run(random_ring, six_layers, prompt, max_tokens=5) == single_process(
-        six_layers, prompt, max_tokens=5
-    )
+    five, _ = single_process(six_layers, prompt, max_tokens=5)
+    assert run(random_ring, six_layers, prompt, max_tokens=5)[0] == five
+    assert list(random_ring.generate(mx.array(prompt), max_tokens=5)) == five  # an mx.array prompt too
     assert run(random_ring, six_layers, prompt[:1], max_tokens=3) == single_process(
         six_layers, prompt[:1], max_tokens=3
     )

@@ -196,7 +196,7 @@ class PipelineGenerator:
 
     def generate(
         self,
-        prompt_tokens: Sequence[int],
+        prompt_tokens: Sequence[int] | mx.array,
         *,
         max_tokens: int,
         sampling: SamplingParams | None = None,
@@ -211,7 +211,12 @@ class PipelineGenerator:
         exceptions from `progress_callback` propagate (after the ring is cleaned). Ends early,
         without error, once `is_cancelled()` is true.
         """
-        if not prompt_tokens:
+        prompt = (
+            prompt_tokens.reshape(-1)
+            if isinstance(prompt_tokens, mx.array)
+            else mx.array(list(prompt_tokens))
+        )
+        if prompt.size == 0:
             raise ValueError("the prompt is empty")
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -221,7 +226,7 @@ class PipelineGenerator:
         try:
             run = self._generate_local if self.local else self._generate_ring
             yield from run(
-                mx.array(list(prompt_tokens)),
+                prompt,
                 max_tokens,
                 sampling or SamplingParams(),
                 eos_token_ids,
