@@ -30,18 +30,27 @@ def start_cluster(size: int, root: Path) -> tuple[list[RunningNode], float]:
     begin = time.monotonic()
     first = start_node(data_dir=root / "n0", model=None)
     nodes = [first]
-    for i in range(1, size):
-        nodes.append(start_node("--peer", first.p2p_addr, data_dir=root / f"n{i}", model=None))
-    wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 60, "agreed")
+    try:
+        for i in range(1, size):
+            nodes.append(start_node("--peer", first.p2p_addr, data_dir=root / f"n{i}", model=None))
+        wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 60, "agreed")
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
     return nodes, time.monotonic() - begin
 
 
 def newcomer_seen(nodes: list[RunningNode], root: Path) -> tuple[RunningNode, float]:
     """Seconds from a newcomer's p2p listener being up to every existing node listing it alive."""
     newcomer = start_node("--peer", nodes[0].p2p_addr, data_dir=root / "newcomer", model=None)
-    seen = wait_until(
-        lambda: all(statuses(n).get(newcomer.node_id) == "alive" for n in nodes), 20, "newcomer seen"
-    )
+    try:
+        seen = wait_until(
+            lambda: all(statuses(n).get(newcomer.node_id) == "alive" for n in nodes), 20, "newcomer seen"
+        )
+    except BaseException:
+        newcomer.stop()
+        raise
     return newcomer, seen
 
 

@@ -10,9 +10,15 @@ A leader change keeps instances: records live in the replicated state, not in th
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import os
 import re
 import secrets
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +30,11 @@ from node.cluster import ClusterService
 from node.models import ResolvedModel, resolve_model
 from node.models.shape import model_shape
 from node.net.mesh import Mesh, RequestError
+from node.pipeline.stage import StageProcess, wait_ready
+from node.runner.fastpath import runner_environment
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster import NotLeaderError
-from protocol.cluster_records import InstanceRecord
+from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.cluster_view import InstanceView, StageView
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
@@ -34,6 +42,8 @@ from protocol.control_wire import (
     ControlWireError,
     DeleteInstance,
     PlaceInstance,
+    StageAddress,
+    StageAddressAnswer,
     decode_control,
     encode_control,
 )
@@ -59,11 +69,47 @@ class InstanceOptions:
     """How this node runs a model it was given: the runner settings of `shoal run`'s flags."""
 
 
+STAGE_READY_TIMEOUT = 300.0
+"""How long a stage process may take to load its layers, and the entry node to collect addresses."""
+
+
 @dataclass
 class _Local:
     record: InstanceRecord
-    runner: RunnerSupervisor
+    runner: RunnerSupervisor | None
+    """This node's runner: a 1-stage instance's, or a pipeline's first stage (once stages answer)."""
     scope: trio.CancelScope
+    stage_address: str | None = None
+    """HOST:PORT of this node's (non-first) pipeline stage process, once it is ready."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): get SIGKILL when the node dies, however it dies.
+
+    A runner exits when its stdin closes; a stage process has no such tie, and one outliving a killed
+    node would keep a ring alive that the cluster already gave up on.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _spawn_stage(path: Path, stage: StageAssignment, host: str, env: dict[str, str]) -> StageProcess:
+    """`node.pipeline.stage.spawn_stage`, with the stage process tied to this node's life."""
+    command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(path)]
+    command += ["--start", str(stage.start_layer), "--end", str(stage.end_layer), "--listen", f"{host}:0"]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent
+    )
+    return StageProcess(process, (host, 0), stage.start_layer, stage.end_layer)
+
+
+def _reachable_host(addrs: list[str]) -> str:
+    """The IP peers reach us on, from our p2p multiaddrs (/ip4/IP/...): a non-loopback one if any."""
+    ips = [a.split("/")[2] for a in addrs if a.startswith("/ip4/") and a.split("/")[2] != "0.0.0.0"]
+    public = [ip for ip in ips if not ip.startswith("127.")]
+    return (public or ips or ["127.0.0.1"])[0]
 
 
 def instance_view(record: InstanceRecord) -> InstanceView:
@@ -89,11 +135,12 @@ class InstanceManager:
 
     # --- reads for the backend ---------------------------------------------------------------
     def runners(self) -> list[RunnerSupervisor]:
-        return [local.runner for local in self._local.values()]
+        return [local.runner for local in self._local.values() if local.runner is not None]
 
     def local_runner(self, model: str) -> RunnerSupervisor | None:
         for local in self._local.values():
-            if local.record.model == model and local.record.stages[0].node == self.cluster.me:
+            first = local.record.stages[0].node == self.cluster.me
+            if local.record.model == model and first and local.runner is not None:
                 return local.runner
         return None
 
@@ -134,15 +181,25 @@ class InstanceManager:
         for iid, record in wanted.items():
             if iid in self._local:
                 continue
-            if len(record.stages) > 1:
-                log.error(
-                    "instance %s has %d stages: pipeline runners are not wired in yet",
-                    iid,
-                    len(record.stages),
-                )
-                continue
             resolved = await self._resolve(record.source or record.model)
             if resolved is None or self.cluster.state.instances().get(iid) != record:
+                continue
+            if len(record.stages) > 1:
+                scope = trio.CancelScope()
+                local = _Local(record, None, scope)
+                self._local[iid] = local
+                mine = next(s for s in record.stages if s.node == self.cluster.me)
+                if mine is record.stages[0]:
+                    self._nursery.start_soon(self._run_entry, local, resolved.path)
+                else:
+                    self._nursery.start_soon(self._run_stage, local, resolved.path, mine)
+                log.info(
+                    "instance %s: running layers [%d, %d) of %s here",
+                    iid,
+                    mine.start_layer,
+                    mine.end_layer,
+                    record.model,
+                )
                 continue
             runner = RunnerSupervisor(self.options.runner_spec(ModelId(record.model), resolved.path))
             scope = trio.CancelScope()
@@ -153,7 +210,109 @@ class InstanceManager:
     @staticmethod
     async def _run_runner(runner: RunnerSupervisor, scope: trio.CancelScope) -> None:
         with scope:
+            await InstanceManager._serve(runner)
+
+    @staticmethod
+    async def _serve(runner: RunnerSupervisor) -> None:
+        try:
             await runner.run()
+        finally:
+            # Stopped because the instance went away or changed: requests still streaming from this
+            # runner get their terminal error now instead of waiting forever.
+            runner.fail_in_flight("the model's instance was stopped or re-placed on this node")
+
+    # --- pipelines ---------------------------------------------------------------------------
+    async def _run_stage(self, local: _Local, path: Path, stage: StageAssignment) -> None:
+        """Run this node's stage process of a pipeline until the instance goes away or changes."""
+        host = _reachable_host(self.mesh.addrs())
+        spec = self.options.runner_spec(local.record.model, path)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env.update(runner_environment(env, enabled=spec.fast_path))
+        iid = local.record.instance_id
+        with local.scope:
+            backoff = 0.5
+            while True:
+                process = _spawn_stage(path, stage, host, env)
+                try:
+                    await trio.to_thread.run_sync(
+                        functools.partial(wait_ready, process, timeout=STAGE_READY_TIMEOUT),
+                        abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing's stubs are older
+                    )
+                    local.stage_address = f"{process.address[0]}:{process.address[1]}"
+                    log.info(
+                        "instance %s: stage [%d, %d) listens on %s",
+                        iid,
+                        stage.start_layer,
+                        stage.end_layer,
+                        local.stage_address,
+                    )
+                    backoff = 0.5
+                    await trio.to_thread.run_sync(process.process.wait, abandon_on_cancel=True)  # type: ignore[call-arg]
+                    log.warning("instance %s: stage process exited (%s)", iid, process.process.returncode)
+                except RuntimeError as exc:
+                    log.error(
+                        "instance %s: stage [%d, %d) failed: %s", iid, stage.start_layer, stage.end_layer, exc
+                    )
+                finally:
+                    local.stage_address = None
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(process.stop)
+                    log.info("instance %s: stage [%d, %d) stopped", iid, stage.start_layer, stage.end_layer)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    async def _run_entry(self, local: _Local, path: Path) -> None:
+        """The first stage: collect the later stages' addresses, then run the runner in pipeline mode."""
+        record = local.record
+        with local.scope:
+            addresses: list[str] = []
+            with trio.move_on_after(STAGE_READY_TIMEOUT):
+                for stage in record.stages[1:]:
+                    addresses.append(await self._stage_address(record, stage))
+            if len(addresses) != len(record.stages) - 1:
+                log.error(
+                    "instance %s: its stages did not all become ready; not serving it", record.instance_id
+                )
+                return
+            log.info("instance %s: stages at %s", record.instance_id, ", ".join(addresses))
+            base = self.options.runner_spec(record.model, path)
+            host = _reachable_host(self.mesh.addrs())
+            runner = RunnerSupervisor(
+                dataclasses.replace(base, pipeline=(record.stages[0].end_layer, host, tuple(addresses)))
+            )
+            local.runner = runner
+            await self._serve(runner)
+
+    async def _stage_address(self, record: InstanceRecord, stage: StageAssignment) -> str:
+        """Ask `stage.node` where its stage listens, until it answers with an address."""
+        question = StageAddress(
+            instance_id=record.instance_id,
+            start_layer=stage.start_layer,
+            end_layer=stage.end_layer,
+            nodes=tuple(s.node for s in record.stages),
+        )
+        while True:
+            try:
+                answer = decode_control(
+                    await self.mesh.request(stage.node, encode_control(question), protocol=CONTROL_PROTOCOL)
+                )
+                if isinstance(answer, StageAddressAnswer) and answer.address is not None:
+                    return answer.address
+            except (RequestError, ControlWireError) as exc:
+                log.debug("stage node %s did not answer yet: %s", stage.node, exc)
+            await trio.sleep(0.5)
+
+    def _answer_stage_address(self, question: StageAddress) -> StageAddressAnswer:
+        local = self._local.get(InstanceId(question.instance_id))
+        if local is None or question.nodes != tuple(s.node for s in local.record.stages):
+            return StageAddressAnswer(address=None)
+        if not any(
+            s.node == self.cluster.me
+            and (s.start_layer, s.end_layer) == (question.start_layer, question.end_layer)
+            for s in local.record.stages
+        ):
+            return StageAddressAnswer(address=None)
+        return StageAddressAnswer(address=local.stage_address)
 
     async def _resolve(self, source: str) -> ResolvedModel | None:
         try:
@@ -182,6 +341,8 @@ class InstanceManager:
             return encode_control(await self.place(message))
         if isinstance(message, DeleteInstance):
             return encode_control(await self.delete(message))
+        if isinstance(message, StageAddress):
+            return encode_control(self._answer_stage_address(message))
         return encode_control(ControlAnswer(status=400, error="not a control request"))
 
     async def place(self, request: PlaceInstance) -> ControlAnswer:

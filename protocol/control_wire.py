@@ -50,7 +50,28 @@ class ControlAnswer(_Message):
     stage_bytes: tuple[int, ...] = ()
 
 
-ControlMessage = Annotated[PlaceInstance | DeleteInstance | ControlAnswer, Field(discriminator="type")]
+class StageAddress(_Message):
+    """Entry node -> a later stage's node: where does your stage [start, end) of the instance listen?"""
+
+    type: Literal["stage_address"] = "stage_address"
+    instance_id: str
+    start_layer: int
+    end_layer: int
+    nodes: tuple[str, ...] = ()
+    """Every stage's node, in order: a node whose record of the instance differs answers None."""
+
+
+class StageAddressAnswer(_Message):
+    """`address` is "host:port" once the stage process is ready, None while it is not (ask again)."""
+
+    type: Literal["stage_address_answer"] = "stage_address_answer"
+    address: str | None = None
+
+
+ControlMessage = Annotated[
+    PlaceInstance | DeleteInstance | ControlAnswer | StageAddress | StageAddressAnswer,
+    Field(discriminator="type"),
+]
 _adapter: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 
 

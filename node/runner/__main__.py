@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-step-size", type=int, default=512)
     parser.add_argument("--max-concurrent", type=int, default=8, help="requests decoded together")
     parser.add_argument("--prefix-cache-tokens", type=int, default=8192, help="0 disables the prefix cache")
+    parser.add_argument("--pipeline-end", type=int, default=None, help="pipeline mode: run layers [0, END)")
+    parser.add_argument("--pipeline-stages", default="", help="pipeline mode: HOST:PORT,... of later stages")
+    parser.add_argument(
+        "--pipeline-host", default="127.0.0.1", help="pipeline mode: address the last stage dials"
+    )
     args = parser.parse_args(argv)
 
     # The node stops us by closing stdin; Ctrl-C in a terminal must not kill us mid-write.
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.INFO, format="runner: %(message)s")
 
+    if args.pipeline_end is not None:
+        return _pipeline_main(args, wire)
     try:
         loaded = load_model(args.model_path, vocab_dir=args.vocab_dir)
     except Exception as exc:  # any load failure is reported to the node, which shows it to users
@@ -156,6 +163,46 @@ def main(argv: list[str] | None = None) -> int:
     while _take_requests(inbox, scheduler):
         scheduler.step()
     scheduler.close()
+    return 0
+
+
+def _pipeline_main(args: argparse.Namespace, wire: _Wire) -> int:
+    """Pipeline mode (`node.runner.pipeline_mode`): this process drives the stages, one request at a time."""
+    from node.runner.pipeline_mode import load_pipeline, run_one
+
+    try:
+        loaded, driver = load_pipeline(
+            args.model_path,
+            end=args.pipeline_end,
+            stages=[s for s in args.pipeline_stages.split(",") if s],
+            host=args.pipeline_host,
+            vocab_dir=args.vocab_dir,
+        )
+    except Exception as exc:  # reported to the node like any load failure
+        log.exception("could not load the first stage of %s", args.model_path)
+        wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
+        return 1
+    inbox = _Inbox()
+
+    def emit(request_id: RequestId, event: ChunkEvent) -> None:
+        wire.send(RequestEvent(request_id=request_id, event=event))
+        if is_terminal(event):
+            inbox.forget(request_id)
+
+    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
+    wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
+    try:
+        while (request := inbox.pending.get()) is not None:
+            run_one(
+                loaded,
+                driver,
+                request,
+                emit=emit,
+                is_cancelled=inbox.is_cancelled,
+                prefill_step_size=args.prefill_step_size,
+            )
+    finally:
+        driver.close()
     return 0
 
 

@@ -61,6 +61,13 @@ def load_model(path: Path, *, vocab_dir: Path | None) -> LoadedModel:
         tuple[Any, Any, dict[str, Any]], load(str(path), return_config=True, lazy=True)
     )
     apply_dtype_policy(model)
+    return loaded_model(model, tokenizer, config, vocab_dir=vocab_dir)
+
+
+def loaded_model(
+    model: Any, tokenizer: Any, config: dict[str, Any], *, vocab_dir: Path | None
+) -> LoadedModel:
+    """The `LoadedModel` of an already loaded model (or pipeline shard) and its tokenizer."""
     model_type = str(config.get("model_type", "unknown"))
     chat_format = chat_format_for(model_type, tokenizer, vocab_dir=vocab_dir)
     # Format-specific end tokens (harmony's <|return|>, <|call|>) end generation like EOS does.

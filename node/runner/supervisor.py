@@ -62,6 +62,9 @@ class RunnerSpec:
     """How long a runner gets to exit after its stdin closes before it is killed."""
     fast_path: bool = True
     """Optimized BLAS and thread count for the runner on Linux CPUs (`node.runner.fastpath`)."""
+    pipeline: tuple[int, str, tuple[str, ...]] | None = None
+    """Pipeline mode: (end layer k, host the last stage dials back, HOST:PORT of the later stages);
+    the runner then holds layers [0, k) and drives the others (`node.runner.pipeline_mode`)."""
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "node.runner", "--model-path", str(self.model_path)]
@@ -70,6 +73,10 @@ class RunnerSpec:
         cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
         if self.vocab_dir is not None:
             cmd += ["--vocab-dir", str(self.vocab_dir)]
+        if self.pipeline is not None:
+            end, host, stages = self.pipeline
+            cmd += ["--pipeline-end", str(end), "--pipeline-host", host]
+            cmd += ["--pipeline-stages", ",".join(stages)]
         return cmd
 
 
@@ -134,7 +141,7 @@ class RunnerSupervisor:
         while True:
             started = trio.current_time()
             exit_code = await self._run_once()
-            self._fail_in_flight(f"the model runner stopped unexpectedly (exit code {exit_code})")
+            self.fail_in_flight(f"the model runner stopped unexpectedly (exit code {exit_code})")
             if self.state == "failed":
                 log.error("model %s cannot be served: %s", self.spec.model_id, self.failure)
                 return
@@ -207,7 +214,8 @@ class RunnerSupervisor:
             process.kill()
             await process.wait()
 
-    def _fail_in_flight(self, message: str) -> None:
+    def fail_in_flight(self, message: str) -> None:
+        """End every in-flight request with a server_error (the runner died or is being stopped)."""
         in_flight, self._in_flight = self._in_flight, {}
         for send in in_flight.values():
             _deliver(send, _error(message))

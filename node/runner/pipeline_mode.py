@@ -1,0 +1,97 @@
+"""The runner's pipeline mode: this process holds layers [0, k) and drives the later stages.
+
+`python -m node.runner --model-path P --pipeline-end k --pipeline-stages HOST:PORT,...` loads only
+its shard and generates with `node.pipeline.driver.PipelineGenerator`, one request at a time (no
+batching, no prefix cache). The per-request logic is the engine's: `admit` checks the prompt,
+`RequestOutput` turns tokens into events and ends each request with exactly one terminal event. A
+link or stage failure mid-request ends that request with a `server_error`; the next one reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from mlx_lm.utils import load_tokenizer
+
+from node.pipeline.driver import PipelineError, PipelineGenerator
+from node.pipeline.hop import HopError, parse_address
+from node.pipeline.shard import SamplingParams, load_shard
+from node.runner.dtype import apply_dtype_policy
+from node.runner.engine import LoadedModel, RequestOutput, admit, loaded_model
+from protocol.chat import GenerateRequest
+from protocol.events import ChunkEvent, FinishReason, GenerationError
+from protocol.ids import RequestId
+
+log = logging.getLogger("shoal.runner")
+
+
+def load_pipeline(
+    path: Path, *, end: int, stages: list[str], host: str, vocab_dir: Path | None
+) -> tuple[LoadedModel, PipelineGenerator]:
+    shard = load_shard(path, start=0, end=end, prepare=apply_dtype_policy)
+    config = shard.config
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    loaded = loaded_model(shard, tokenizer, config, vocab_dir=vocab_dir)
+    driver = PipelineGenerator(shard, stages=[parse_address(s) for s in stages], host=host)
+    return loaded, driver
+
+
+def run_one(
+    loaded: LoadedModel,
+    driver: PipelineGenerator,
+    request: GenerateRequest,
+    *,
+    emit: Callable[[RequestId, ChunkEvent], None],
+    is_cancelled: Callable[[RequestId], bool],
+    prefill_step_size: int,
+) -> None:
+    """Generate one request through the pipeline; `emit` gets its events, the last one terminal."""
+    rid = request.request_id
+
+    def send(event: ChunkEvent) -> None:
+        emit(rid, event)
+
+    admitted = admit(loaded, request)
+    if isinstance(admitted, GenerationError):
+        send(admitted)
+        return
+    output = RequestOutput(loaded, admitted, send)
+    params = request.params
+    sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+    eos = loaded.tokenizer.eos_token_ids
+    reason: FinishReason = "length"
+    try:
+        for n, token in enumerate(
+            driver.generate(
+                admitted.prompt,
+                max_tokens=admitted.max_tokens,
+                sampling=sampling,
+                eos_token_ids=eos,
+                prefill_step_size=prefill_step_size,
+                progress_callback=lambda processed, _total: output.progress(processed),
+                is_cancelled=lambda: is_cancelled(rid),
+            )
+        ):
+            is_eos = token in eos
+            last = is_eos or n + 1 == admitted.max_tokens
+            if output.token(token, last=last):
+                reason = "stop"
+                break
+            if last:
+                reason = "stop" if is_eos else "length"
+                break
+        else:
+            # The generator ended without a last token: it was cancelled.
+            if is_cancelled(rid):
+                reason = "cancelled"
+    except (HopError, PipelineError) as exc:
+        log.warning("request %s failed in the pipeline: %s", rid, exc)
+        output.fail(f"the pipeline failed: {exc}")
+        return
+    except Exception as exc:  # never leave a request without its terminal event
+        log.exception("request %s failed", rid)
+        output.fail(f"{type(exc).__name__}: {exc}")
+        return
+    output.finish(reason)
