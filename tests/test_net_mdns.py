@@ -100,7 +100,10 @@ def test_two_namespaces_discover_each_other(namespaces: tuple[str, str, str, str
     print(json.dumps({"a": a, "b": b, "other": other}, indent=1))
     assert a["ok"] and b["ok"] and other["ok"], (a, b, other)
     assert a["connected"] == [b["peer_id"]] and b["connected"] == [a["peer_id"]]
-    assert a["discovered"] == [b["peer_id"]] and b["discovered"] == [a["peer_id"]]
+    # With no --peer, the connection proves mDNS: at least one side found the other and dialed (the
+    # other may be connected before its own browser reports the announcement).
+    assert a["discovered"] == [b["peer_id"]] or b["discovered"] == [a["peer_id"]]
+    assert set(a["discovered"]) <= {b["peer_id"]} and set(b["discovered"]) <= {a["peer_id"]}
     for report, ip in ((a, ip_a), (b, ip_b)):
         port = report["addrs"][0].split("/")[4]
         assert report["addrs"] == [f"/ip4/{ip}/tcp/{port}/p2p/{report['peer_id']}"]
