@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import cbor2
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from protocol.cbor_messages import decode_cbor, encode_cbor
 from protocol.cluster_view import InstanceView
 from protocol.placement import ModelShape
 
@@ -80,13 +80,10 @@ class ControlWireError(ValueError):
 
 
 def encode_control(message: ControlMessage) -> bytes:
-    return cbor2.dumps(message.model_dump(mode="json"))
+    return encode_cbor(message, limit=MAX_CONTROL_BYTES, error=ControlWireError)
 
 
 def decode_control(data: bytes) -> ControlMessage:
-    if len(data) > MAX_CONTROL_BYTES:
-        raise ControlWireError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    try:
-        return _adapter.validate_python(cbor2.loads(data))
-    except (cbor2.CBORDecodeError, ValidationError, ValueError, TypeError, RecursionError) as exc:
-        raise ControlWireError(f"undecodable control message: {exc}") from exc
+    return decode_cbor(
+        _adapter, data, limit=MAX_CONTROL_BYTES, error=ControlWireError, what="control message"
+    )

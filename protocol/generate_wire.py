@@ -14,11 +14,11 @@ The `type` tags are ONLY APPENDED: a node never reuses or renames one.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal
 
-import cbor2
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from protocol.cbor_messages import T, decode_cbor, encode_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
 
@@ -70,10 +70,7 @@ class GenerateWireError(ValueError):
 
 
 def encode(message: Generate | Cancel | Event | KeepAlive) -> bytes:
-    body: bytes = cbor2.dumps(message.model_dump(mode="json"))
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise GenerateWireError(f"message of {len(body)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
-    return body
+    return encode_cbor(message, limit=MAX_MESSAGE_BYTES, error=GenerateWireError)
 
 
 def decode_requester_message(body: bytes) -> RequesterMessage:
@@ -84,20 +81,7 @@ def decode_entry_message(body: bytes) -> EntryMessage:
     return _decode(_entry, body)
 
 
-_T = TypeVar("_T")
-
-
-def _decode(adapter: TypeAdapter[_T], body: bytes) -> _T:
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise GenerateWireError(f"message of {len(body)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
-    try:
-        return adapter.validate_python(cbor2.loads(body))
-    except (
-        cbor2.CBORDecodeError,
-        ValidationError,
-        ValueError,
-        TypeError,
-        OverflowError,
-        RecursionError,
-    ) as exc:
-        raise GenerateWireError(f"undecodable generate message: {exc}") from exc
+def _decode(adapter: TypeAdapter[T], body: bytes) -> T:
+    return decode_cbor(
+        adapter, body, limit=MAX_MESSAGE_BYTES, error=GenerateWireError, what="generate message"
+    )

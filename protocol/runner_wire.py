@@ -9,9 +9,9 @@ from __future__ import annotations
 import struct
 from typing import Annotated, Literal
 
-import cbor2
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from protocol.cbor_messages import decode_cbor, encode_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
 from protocol.ids import RequestId
@@ -74,17 +74,12 @@ class FrameError(ValueError):
 
 
 def encode_frame(message: RunnerMessage) -> bytes:
-    body = cbor2.dumps(message.model_dump(mode="json"))
-    if len(body) > MAX_FRAME_BYTES:
-        raise FrameError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    body = encode_cbor(message, limit=MAX_FRAME_BYTES, error=FrameError)
     return _LENGTH.pack(len(body)) + body
 
 
 def decode_message(body: bytes) -> RunnerMessage:
-    try:
-        return _adapter.validate_python(cbor2.loads(body))
-    except (cbor2.CBORDecodeError, ValidationError, ValueError, TypeError) as exc:
-        raise FrameError(f"undecodable runner message: {exc}") from exc
+    return decode_cbor(_adapter, body, limit=MAX_FRAME_BYTES, error=FrameError, what="runner message")
 
 
 class FrameDecoder:

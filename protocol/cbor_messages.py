@@ -1,0 +1,32 @@
+"""Typed messages as CBOR: the one encode/decode used by every wire (runner, control, generate).
+
+A wire defines pydantic messages and its own error type; these functions add the size cap and turn
+any malformed or hostile input into that error, never another exception.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import cbor2
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+T = TypeVar("T")
+
+_UNDECODABLE = (cbor2.CBORDecodeError, ValidationError, ValueError, TypeError, OverflowError, RecursionError)
+
+
+def encode_cbor(message: BaseModel, *, limit: int, error: type[ValueError]) -> bytes:
+    body: bytes = cbor2.dumps(message.model_dump(mode="json"))
+    if len(body) > limit:
+        raise error(f"message of {len(body)} bytes exceeds the {limit}-byte cap")
+    return body
+
+
+def decode_cbor(adapter: TypeAdapter[T], body: bytes, *, limit: int, error: type[ValueError], what: str) -> T:
+    if len(body) > limit:
+        raise error(f"{what} of {len(body)} bytes exceeds the {limit}-byte cap")
+    try:
+        return adapter.validate_python(cbor2.loads(body))
+    except _UNDECODABLE as exc:
+        raise error(f"undecodable {what}: {exc}") from exc
