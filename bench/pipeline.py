@@ -22,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -33,32 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx
 from mlx_lm import load, stream_generate
 
-from node.models import default_data_dir, ensure_builtin_model
+from bench.common import PROMPT, builtin_model, random_380mb, timed
 from node.pipeline.driver import PipelineGenerator
 from node.pipeline.shard import even_split, load_shard
 from node.pipeline.stage import spawn_stage, wait_ready
-from tests.model_factory import make_random_model
-
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-
-
-@dataclass
-class Run:
-    seconds_to_first: float
-    tokens_per_s: float
-    tokens: list[int]
-
-
-def timed(tokens: Iterator[int]) -> Run:
-    start = time.perf_counter()
-    first = last = 0.0
-    out: list[int] = []
-    for token in tokens:
-        last = time.perf_counter()
-        first = first or last
-        out.append(token)
-    rate = (len(out) - 1) / (last - first) if len(out) > 1 and last > first else float("nan")
-    return Run(first - start, rate, out)
 
 
 @dataclass
@@ -115,16 +92,16 @@ def measure(model_dir: Path, tokens: int, repeats: int) -> dict[str, Result]:
             name = f"{stages} stage{'s' if stages > 1 else ''}"
             drivers[name] = stack.enter_context(pipeline(model_dir, stages))
             paths[name] = functools.partial(_pipeline_run, drivers[name], set(tokenizer.eos_token_ids))
-        reference = timed(plain(short, tokens)).tokens
+        reference = timed(plain(short, tokens))[1]
         for i in range(repeats + 1):  # the first round warms everything up
             for name, generate in paths.items():
-                first = timed(generate(prompt, 1)).seconds_to_first
-                run = timed(generate(short, tokens))
-                if run.tokens != reference:
+                first = timed(generate(prompt, 1))[0].ttft_s
+                run, out = timed(generate(short, tokens))
+                if out != reference:
                     print(f"WARNING: {name} differs from mlx_lm.stream_generate", file=sys.stderr)
                 if i:
                     ttft.setdefault(name, []).append(first)
-                    decode.setdefault(name, []).append(run.tokens_per_s)
+                    decode.setdefault(name, []).append(run.decode_tps)
                     stages = int(name[0]) if name[0].isdigit() else 1
                     if stages > 1:
                         hop.setdefault(name, []).append(
@@ -154,17 +131,9 @@ def main() -> None:
         if fast.enabled:  # LD_PRELOAD only takes effect at exec: start again with it
             os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **fast.env})
 
-    builtin = ensure_builtin_model(default_data_dir())
+    builtin = builtin_model()
     with tempfile.TemporaryDirectory() as tmp:
-        random_big = make_random_model(
-            Path(tmp) / "random-380mb",
-            tokenizer_from=builtin,
-            num_layers=8,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_heads=12,
-            num_kv_heads=4,
-        )
+        random_big = random_380mb(Path(tmp), builtin)
         header = ("model", "path", "TTFT ms", "decode tok/s", "vs mlx_lm", "vs 1 stage", "ms/hop/token")
         print("{:<16} {:<24} {:>9} {:>13} {:>10} {:>11} {:>13}".format(*header))
         for name, model_dir in (("smollm2-135m", builtin), ("random-380mb", random_big)):

@@ -9,33 +9,16 @@ Models: the built-in SmolLM2-135M (float32) and a random-weight llama of a few h
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.models import default_data_dir, ensure_builtin_model
-from tests.model_factory import make_random_model
+from bench.common import PROMPT, Run, builtin_model, chat_body, median_run, random_380mb, stream_chat, timed
 from tests.nodes import start_node
-
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-
-
-@dataclass
-class Run:
-    ttft_s: float
-    decode_tps: float
-
-
-def _rate(tokens: int, first: float, last: float) -> float:
-    return (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
 
 
 class PlainMlxLm:
@@ -52,39 +35,12 @@ class PlainMlxLm:
     def run(self, tokens: int) -> Run:
         from mlx_lm import stream_generate
 
-        start = time.perf_counter()
-        first = last = 0.0
-        count = 0
-        for _ in stream_generate(self.model, self.tokenizer, self.prompt, max_tokens=tokens):
-            last = time.perf_counter()
-            first = first or last
-            count += 1
-        return Run(first - start, _rate(count, first, last))
+        return timed(stream_generate(self.model, self.tokenizer, self.prompt, max_tokens=tokens))[0]
 
 
 def shoal_run(client: httpx.Client, base_url: str, model_id: str, tokens: int) -> Run:
-    body = {
-        "model": model_id,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    first = last = 0.0
-    completion_tokens = 0
-    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                completion_tokens = chunk["usage"]["completion_tokens"]
-            if any(c["delta"].get("content") for c in chunk["choices"]):
-                last = time.perf_counter()
-                first = first or last
-    return Run(first - start, _rate(completion_tokens, first, last))
+    body = chat_body(model_id, [{"role": "user", "content": PROMPT}], tokens)
+    return stream_chat(client, base_url, body).run()
 
 
 def compare(model_dir: Path, data_dir: Path, tokens: int, repeats: int) -> tuple[Run, Run]:
@@ -103,11 +59,7 @@ def compare(model_dir: Path, data_dir: Path, tokens: int, repeats: int) -> tuple
                     shoal_runs.append(api_run)
     finally:
         node.stop()
-    return _median(plain_runs), _median(shoal_runs)
-
-
-def _median(runs: list[Run]) -> Run:
-    return Run(statistics.median(r.ttft_s for r in runs), statistics.median(r.decode_tps for r in runs))
+    return median_run(plain_runs), median_run(shoal_runs)
 
 
 def main() -> None:
@@ -116,17 +68,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    builtin = ensure_builtin_model(default_data_dir())
+    builtin = builtin_model()
     with tempfile.TemporaryDirectory() as tmp:
-        random_big = make_random_model(
-            Path(tmp) / "random-380mb",
-            tokenizer_from=builtin,
-            num_layers=8,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_heads=12,
-            num_kv_heads=4,
-        )
+        random_big = random_380mb(Path(tmp), builtin)
         print(f"{'model':<16} {'path':<22} {'TTFT ms':>9} {'decode tok/s':>13}")
         for name, model_dir in (("smollm2-135m", builtin), ("random-380mb", random_big)):
             plain, shoal = compare(model_dir, Path(tmp) / "data", args.tokens, args.repeats)

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run as `.venv/bin/python bench/NAME.py`; `common` holds what they share."""
