@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import common
 from protocol.cluster_sim import SimConfig, simulate
 from protocol.membership import FailureDetectorConfig
 from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_until
@@ -28,16 +29,7 @@ from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_u
 def start_cluster(size: int, root: Path) -> tuple[list[RunningNode], float]:
     """Start `size` nodes (each bootstrapping to the first); seconds from the first start to agreement."""
     begin = time.monotonic()
-    first = start_node(data_dir=root / "n0", model=None)
-    nodes = [first]
-    try:
-        for i in range(1, size):
-            nodes.append(start_node("--peer", first.p2p_addr, data_dir=root / f"n{i}", model=None))
-        wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 60, "agreed")
-    except BaseException:
-        for node in nodes:
-            node.stop()
-        raise
+    nodes = common.start_cluster(size, root)
     return nodes, time.monotonic() - begin
 
 
@@ -116,8 +108,7 @@ def main() -> None:
                 rest = traffic_at_rest(nodes, args.rest_seconds)
                 dead, leader = failover(nodes)
             finally:
-                for node in nodes:
-                    node.stop()
+                common.stop_all(nodes)
             print(f"{size:>6} {agreed:>16.2f} {seen:>16.2f} {rest:>14.0f} {dead:>15.2f} {leader:>13.2f}")
 
 
