@@ -16,9 +16,6 @@ import logging
 import os
 import re
 import secrets
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,7 @@ from node.cluster import ClusterService
 from node.models import ResolvedModel, resolve_model
 from node.models.shape import model_shape
 from node.net.mesh import Mesh, RequestError
-from node.pipeline.stage import StageProcess, wait_ready
+from node.pipeline.stage import spawn_stage, wait_ready
 from node.runner.fastpath import runner_environment
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster import NotLeaderError
@@ -81,28 +78,6 @@ class _Local:
     scope: trio.CancelScope
     stage_address: str | None = None
     """HOST:PORT of this node's (non-first) pipeline stage process, once it is ready."""
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): get SIGKILL when the node dies, however it dies.
-
-    A runner exits when its stdin closes; a stage process has no such tie, and one outliving a killed
-    node would keep a ring alive that the cluster already gave up on.
-    """
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _spawn_stage(path: Path, stage: StageAssignment, host: str, env: dict[str, str]) -> StageProcess:
-    """`node.pipeline.stage.spawn_stage`, with the stage process tied to this node's life."""
-    command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(path)]
-    command += ["--start", str(stage.start_layer), "--end", str(stage.end_layer), "--listen", f"{host}:0"]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent
-    )
-    return StageProcess(process, (host, 0), stage.start_layer, stage.end_layer)
 
 
 def _reachable_host(addrs: list[str]) -> str:
@@ -231,14 +206,24 @@ class InstanceManager:
         iid = local.record.instance_id
         with local.scope:
             backoff = 0.5
+            port = 0  # a free one at first; a restarted stage keeps it, so the entry's route stays valid
             while True:
-                process = _spawn_stage(path, stage, host, env)
+                process = spawn_stage(
+                    path,
+                    start=stage.start_layer,
+                    end=stage.end_layer,
+                    host=host,
+                    port=port,
+                    env=env,
+                    die_with_parent=True,
+                )
                 try:
                     await trio.to_thread.run_sync(
                         functools.partial(wait_ready, process, timeout=STAGE_READY_TIMEOUT),
                         abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing's stubs are older
                     )
-                    local.stage_address = f"{process.address[0]}:{process.address[1]}"
+                    port = process.address[1]
+                    local.stage_address = f"{host}:{port}"
                     log.info(
                         "instance %s: stage [%d, %d) listens on %s",
                         iid,

@@ -1,20 +1,25 @@
-"""Multi-stage instances across real nodes: a model split over two nodes answers like one node does,
-and a stage node killed mid-stream ends the request with an error, then the instance is re-placed."""
+"""Multi-stage instances across real nodes: a model split over two or three nodes answers like one
+node does, and a stage that dies or freezes mid-stream ends the request with an error, after which
+the instance serves again (the stage restarted in place, or the instance re-placed)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.model_factory import make_random_model
 from tests.nodes import RunningNode, agreed_leader, start_node, wait_until
+from tests.test_api_stream_shape import PREFILL
 from tests.test_instances import _instances, _tokens
 
 
@@ -30,11 +35,26 @@ def trio_nodes(tmp_path: Path) -> Iterator[list[RunningNode]]:
         yield nodes
     finally:
         for node in nodes:
+            if node.process.poll() is None:
+                os.kill(node.process.pid, signal.SIGCONT)  # a frozen node must be able to stop
             node.stop()
 
 
-def _stream_until_killed(node: RunningNode, model: str, victim: RunningNode) -> tuple[list[str], float]:
-    """Stream a long generation, SIGKILL `victim` after 3 chunks; the lines after and seconds to [DONE]."""
+def _stage_processes(node: RunningNode) -> list[psutil.Process]:
+    """The pipeline stage processes a node started (children running `node.pipeline.stage`)."""
+    children = psutil.Process(node.process.pid).children()
+    return [c for c in children if "node.pipeline.stage" in " ".join(c.cmdline())]
+
+
+def _freeze(node: RunningNode) -> None:
+    """What a hung machine looks like: the node and its stage process stop running, sockets stay open."""
+    for process in _stage_processes(node):
+        process.send_signal(signal.SIGSTOP)
+    node.process.send_signal(signal.SIGSTOP)
+
+
+def _stream_until_failure(node: RunningNode, model: str, fail: Callable[[], None]) -> tuple[list[str], float]:
+    """Stream a long generation, call `fail` after 3 chunks; the lines after and seconds to [DONE]."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Count to a thousand."}],
@@ -42,7 +62,7 @@ def _stream_until_killed(node: RunningNode, model: str, victim: RunningNode) -> 
         "max_tokens": 1500,
         "stream": True,
     }
-    killed_at: float | None = None
+    failed_at: float | None = None
     after: list[str] = []
     seen = 0
     with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=30) as response:
@@ -50,20 +70,39 @@ def _stream_until_killed(node: RunningNode, model: str, victim: RunningNode) -> 
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
-            if killed_at is None:
+            if failed_at is None:
                 seen += 1
-                assert line != "data: [DONE]", "the generation ended before the kill"
+                assert line != "data: [DONE]", "the generation ended before the failure"
                 if seen == 3:
-                    victim.process.send_signal(signal.SIGKILL)
-                    killed_at = time.monotonic()
+                    fail()
+                    failed_at = time.monotonic()
                 continue
             after.append(line)
             if line == "data: [DONE]":
-                return after, time.monotonic() - killed_at
+                return after, time.monotonic() - failed_at
     raise AssertionError(f"the stream ended without [DONE]: {after[-3:]}")
 
 
-def test_two_stage_instance_serves_like_one_node_and_survives_a_stage_kill(
+def _assert_error_then_done(after: list[str], seconds: float, what: str) -> None:
+    print(f"{what} -> [DONE] in {seconds:.2f}s")
+    assert seconds < 5.0, seconds
+    errors = [json.loads(line[6:]) for line in after if line != "data: [DONE]" and "error" in line]
+    assert errors and "error" in errors[-1], after[-3:]
+
+
+def _wait_replaced_without(survivors: list[RunningNode], gone: RunningNode) -> list[dict[str, Any]]:
+    def replaced() -> list[dict[str, Any]] | None:
+        found = _instances(survivors[0])
+        stages: list[dict[str, Any]] = found[0]["stages"] if found else []
+        return stages if stages and all(s["node_id"] != gone.node_id for s in stages) else None
+
+    wait_until(replaced, 30, "instance re-placed on the survivors")
+    stages = replaced()
+    assert stages is not None
+    return stages
+
+
+def test_two_stage_instance_serves_like_one_node_and_survives_a_frozen_stage(
     trio_nodes: list[RunningNode], random_model_dir: Path, random_node: RunningNode
 ) -> None:
     name = random_model_dir.name
@@ -88,20 +127,12 @@ def test_two_stage_instance_serves_like_one_node_and_survives_a_stage_kill(
     assert _tokens(outsider, name) == reference
     assert _tokens(second, name) == reference
 
-    # Kill the second stage's node mid-stream: an error event, then [DONE], within 5 s.
-    after, seconds = _stream_until_killed(outsider, name, second)
-    print(f"kill -> [DONE] in {seconds:.2f}s")
-    assert seconds < 5.0, seconds
-    errors = [json.loads(line[6:]) for line in after if line != "data: [DONE]" and "error" in line]
-    assert errors and "error" in errors[-1], after[-3:]
-    survivors = [n for n in trio_nodes if n is not second]
-
-    def replaced() -> bool:
-        found = _instances(survivors[0])
-        return bool(found) and all(s["node_id"] != second.node_id for s in found[0]["stages"])
-
-    wait_until(replaced, 30, "instance re-placed on the survivors")
+    # Freeze the second stage's machine mid-stream: an error event, then [DONE], within 5 s.
+    after, seconds = _stream_until_failure(outsider, name, lambda: _freeze(second))
+    _assert_error_then_done(after, seconds, "freeze")
+    _wait_replaced_without([entry, outsider], second)
     wait_until(lambda: _tokens(outsider, name) == reference, 90, "the re-placed instance serving")
+    second.process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +142,31 @@ def four_layer_model(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathF
     )
 
 
-def test_three_stage_instance_matches_one_stage(
+def _progress_then_disconnect(node: RunningNode, model: str) -> list[tuple[int, int]]:
+    """Stream a long prompt, read its prefill progress and 3 chunks, then hang up (which cancels)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "lighthouse " * 1500}],
+        "temperature": 0,
+        "max_tokens": 400,  # with the prompt, within the model's 2048-token context
+        "stream": True,
+    }
+    progress: list[tuple[int, int]] = []
+    chunks = 0
+    with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if match := PREFILL.match(line):
+                progress.append((int(match[1]), int(match[2])))
+            elif line.startswith("data: "):
+                assert line != "data: [DONE]", "the generation ended before the hang-up"
+                chunks += 1
+                if chunks == 3:
+                    break
+    return progress
+
+
+def test_three_stages_match_one_node_and_survive_stage_failures(
     trio_nodes: list[RunningNode], four_layer_model: Path
 ) -> None:
     name = four_layer_model.name
@@ -120,19 +175,41 @@ def test_three_stage_instance_matches_one_stage(
         f"{base}/v1/instances", json={"model": str(four_layer_model), "nodes": 3}, timeout=30
     )
     assert created.status_code == 201, created.text
-    stages = created.json()["stages"]
+    instance_id, stages = created.json()["id"], created.json()["stages"]
     assert len({s["node_id"] for s in stages}) == 3 and stages[-1]["end_layer"] == 4
-    entry = next(n for n in trio_nodes if n.node_id == stages[0]["node_id"])
+    by_id = {n.node_id: n for n in trio_nodes}
+    entry, middle, last = (by_id[s["node_id"]] for s in stages)
     entry.wait_for_log(f"model {name} ready", timeout=120)
-    split = _tokens(trio_nodes[2], name)
+    split = _tokens(last, name)
     assert split[2] == 24
 
-    deleted = httpx.delete(f"{base}/v1/instances/{created.json()['id']}", timeout=30)
+    # Prefill progress crosses the stages (a chunk counts once the last stage has it); hanging up
+    # cancels the request on every stage, and the next one is served as before.
+    progress = _progress_then_disconnect(last, name)
+    assert len(progress) >= 3 and progress[-1][0] == progress[-1][1] > 1500, progress
+    assert [p for p, _ in progress] == sorted(p for p, _ in progress)
+    wait_until(lambda: entry.health()["runners"][0]["active_requests"] == 0, 10, "the request cancelled")
+    assert _tokens(middle, name) == split
+
+    # kill -9 the middle stage process only: its node restarts it on the same port, the entry
+    # reconnects on the next request, and the instance stays where it is.
+    listens = rf"stage \[{stages[1]['start_layer']}, {stages[1]['end_layer']}\) listens on (\S+)"
+    (victim,) = _stage_processes(middle)
+    after, seconds = _stream_until_failure(entry, name, victim.kill)
+    _assert_error_then_done(after, seconds, "stage kill")
+    wait_until(lambda: len(re.findall(listens, "".join(middle.log))) == 2, 60, "the stage restarted")
+    assert len(set(re.findall(listens, "".join(middle.log)))) == 1, "the stage moved to another port"
+    assert _tokens(trio_nodes[0], name) == split
+    assert [i["stages"] for i in _instances(entry) if i["id"] == instance_id] == [stages]
+
+    # kill -9 the middle node: the error, then the leader re-places the instance on the survivors.
+    after, seconds = _stream_until_failure(last, name, lambda: middle.process.send_signal(signal.SIGKILL))
+    _assert_error_then_done(after, seconds, "middle node kill")
+    replaced = _wait_replaced_without([entry, last], middle)
+    wait_until(lambda: _tokens(last, name) == split, 90, "the re-placed instance answering the same")
+    assert len(replaced) == 1, replaced  # as few nodes as fit: the same tokens as from one node
+
+    deleted = httpx.delete(f"{entry.base_url}/v1/instances/{instance_id}", timeout=30)
     assert deleted.status_code == 200, deleted.text
-    wait_until(lambda: all(n.health()["runners"] == [] for n in trio_nodes), 20, "runners stopped")
-    for stage in stages[1:]:  # and the stage processes with them
-        holder = next(n for n in trio_nodes if n.node_id == stage["node_id"])
-        holder.wait_for_log(rf"stage \[{stage['start_layer']}, {stage['end_layer']}\) stopped", timeout=20)
-    whole = httpx.post(f"{base}/v1/instances", json={"model": str(four_layer_model), "nodes": 1}, timeout=30)
-    assert whole.status_code == 201 and len(whole.json()["stages"]) == 1, whole.text
-    wait_until(lambda: _tokens(trio_nodes[2], name) == split, 90, "the 1-stage instance answering the same")
+    wait_until(lambda: all(n.health()["runners"] == [] for n in (entry, last)), 20, "runners stopped")
+    wait_until(lambda: not _stage_processes(entry) and not _stage_processes(last), 20, "stages stopped")

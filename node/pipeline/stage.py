@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import threading
@@ -258,6 +259,18 @@ class StageProcess:
                 self.process.wait()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): get SIGKILL when the parent dies, however it dies.
+
+    A runner exits when its stdin closes; a stage process has no such tie, and one outliving a killed
+    node would keep a ring alive that the cluster already gave up on.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def spawn_stage(
     model_path: Path | str,
     *,
@@ -269,10 +282,12 @@ def spawn_stage(
     hop_timeout: float = HOP_TIMEOUT,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    die_with_parent: bool = False,
 ) -> StageProcess:
     """Start `python -m node.pipeline.stage`; returns at once (call `wait_ready` next).
 
-    Starting several stages and then waiting for all loads them in parallel.
+    Starting several stages and then waiting for all loads them in parallel. `die_with_parent`
+    (Linux only) kills the stage when this process dies, even by SIGKILL.
     """
     command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
     command += ["--start", str(start), "--listen", f"{host}:{port}", "--hop-timeout", str(hop_timeout)]
@@ -281,7 +296,11 @@ def spawn_stage(
     if next_address is not None:
         command += ["--next", f"{next_address[0]}:{next_address[1]}"]
     process = subprocess.Popen(
-        [*command, *extra_args], stdout=subprocess.PIPE, text=True, env=None if env is None else dict(env)
+        [*command, *extra_args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=None if env is None else dict(env),
+        preexec_fn=_die_with_parent if die_with_parent else None,
     )
     return StageProcess(process, (host, port), start, -1 if end is None else end)
 
