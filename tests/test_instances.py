@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from node.net.identity import load_or_create_identity, peer_id_of
 from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_until
 
 
@@ -95,27 +96,39 @@ def test_place_route_and_delete(pair: list[RunningNode], random_model_dir: Path)
 def test_killed_stage_node_is_replaced_and_leader_change_keeps_serving(
     random_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Three nodes; the model runs on one. Killing the leader (if it isn't the holder) keeps it serving;
-    killing the holder makes the leader re-place it on a survivor, and the next request works."""
-    first = start_node(data_dir=tmp_path / "n0", model=str(random_model_dir))  # alone: places it on itself
-    nodes = [first]
+    """The model runs on a node that is not the leader. A node joining (and taking the leadership) and
+    the leader's death leave it serving untouched; killing the holder makes the leader re-place it
+    on a survivor, and the next request works."""
+    # Identities made ahead, so the node given the model is never the leader (the smallest id).
+    dirs = sorted(
+        (tmp_path / f"n{i}" for i in range(4)), key=lambda d: peer_id_of(load_or_create_identity(d))
+    )
+    holder = start_node(data_dir=dirs[3], model=str(random_model_dir))  # alone: places it on itself
+    nodes = [holder]
     try:
-        for i in (1, 2):
-            nodes.append(start_node("--peer", first.p2p_addr, data_dir=tmp_path / f"n{i}", model=None))
+        for data_dir in dirs[1:3]:
+            nodes.append(start_node("--peer", holder.p2p_addr, data_dir=data_dir, model=None))
         wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 20, "agreed")
         wait_until(lambda: len(_instances(nodes[2])) == 1, 30, "instance placed")
-        holder_id = _instances(nodes[2])[0]["stages"][0]["node_id"]
-        holder = next(n for n in nodes if n.node_id == holder_id)
+        holder_id = holder.node_id
+        assert _instances(nodes[2])[0]["stages"][0]["node_id"] == holder_id
         holder.wait_for_log(f"model {random_model_dir.name} ready", timeout=60)
         before = _tokens(nodes[2], random_model_dir.name)
+        runner_pid = holder.runner_pid()
 
-        leader = next(n for n in nodes if n.node_id == agreed_leader(nodes))
-        if leader is not holder:
-            leader.process.send_signal(signal.SIGKILL)
-            nodes.remove(leader)
-            wait_until(lambda: agreed_leader(nodes) is not None, 15, "a new leader")
-            assert [i["id"] for i in _instances(nodes[0])] == [_instances(holder)[0]["id"]]
-            assert _tokens(holder, random_model_dir.name) == before  # never torn down
+        # The smallest id joins: it becomes the leader, and the instance stays as it was.
+        leader = start_node("--peer", holder.p2p_addr, data_dir=dirs[0], model=None)
+        nodes.append(leader)
+        wait_until(lambda: agreed_leader(nodes) == leader.node_id, 20, "the newcomer leading")
+        assert [i["stages"][0]["node_id"] for i in _instances(leader)] == [holder_id]
+        assert _tokens(leader, random_model_dir.name) == before
+
+        leader.process.send_signal(signal.SIGKILL)
+        nodes.remove(leader)
+        wait_until(lambda: agreed_leader(nodes) is not None, 15, "a new leader")
+        assert [i["id"] for i in _instances(nodes[1])] == [_instances(holder)[0]["id"]]
+        assert _tokens(holder, random_model_dir.name) == before
+        assert holder.runner_pid() == runner_pid  # never torn down: the same runner process throughout
 
         survivors = [n for n in nodes if n is not holder]
         holder.process.send_signal(signal.SIGKILL)
