@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.models import default_data_dir, ensure_builtin_model
+from bench.common import builtin_model, chat_body, loadavg, stream_chat
 from node.runner import fastpath
 from node.runner.fastpath import usable_cores
 from tests.model_factory import make_random_model
@@ -161,29 +161,10 @@ def bench_fast_in_process(model_dir: Path, text: str) -> Speed:
 
 
 def bench_shoal(client: httpx.Client, base_url: str, model_id: str, text: str) -> Speed:
-    body = {
-        "model": model_id,
-        "messages": messages(text),
-        "max_tokens": OUTPUT_TOKENS,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    usage: dict[str, int] = {}
-    start = time.perf_counter()
-    first = last = 0.0
-    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            if any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-    prompt, output = usage["prompt_tokens"], usage["completion_tokens"]
-    decode = (output - 1) / (last - first) if output > 1 and last > first else float("nan")
-    return Speed(prompt / (first - start), decode, prompt, output)
+    stream = stream_chat(client, base_url, chat_body(model_id, messages(text), OUTPUT_TOKENS))
+    prompt, output = int(stream.usage["prompt_tokens"]), int(stream.usage["completion_tokens"])
+    run = stream.run()
+    return Speed(prompt / run.ttft_s, run.decode_tps, prompt, output)
 
 
 def shoal_runs(model_dir: Path, data_dir: Path, text: str, repeats: int, threads: str | None) -> list[Speed]:
@@ -277,12 +258,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["smollm2", "qwen3"], choices=["smollm2", "qwen3"])
     args = parser.parse_args()
 
-    builtin = ensure_builtin_model(default_data_dir())
+    builtin = builtin_model()
     cores = usable_cores()
-
-    def loadavg() -> str:
-        return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-
     print(f"load average at the start: {loadavg()} (other work on this machine skews every figure)")
     before = memory_bandwidth(cores)
     print(f"memory bandwidth: {before:.1f} GB/s with {cores} threads ({memory_bandwidth(1):.1f} with 1)")
