@@ -17,22 +17,19 @@ One node runs at a time (two would share the CPU). Default model: the built-in S
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.models import default_data_dir, ensure_builtin_model
+from bench.common import PROMPT, Stream, builtin_model, chat_body, stream_chat
 from tests.model_factory import make_random_model
 from tests.nodes import RunningNode, start_node
 
@@ -43,7 +40,7 @@ LONG_TEXT = " ".join(
 )
 """~1,000 tokens of filler the conversation is about."""
 PROMPTS = [
-    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    PROMPT,
     "Explain in detail how a steam engine works, step by step.",
     "Describe the water cycle to a ten year old, with many examples.",
     "List the planets of the solar system and tell me one fact about each.",
@@ -54,45 +51,11 @@ PROMPTS = [
 ]
 
 
-@dataclass
-class StreamResult:
-    start: float
-    times: list[float] = field(default_factory=list)
-    text: str = ""
-    usage: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def ttft(self) -> float:
-        return self.times[0] - self.start
+def stream(client: httpx.Client, node: RunningNode, messages: list[dict[str, str]], tokens: int) -> Stream:
+    return stream_chat(client, node.base_url, chat_body(node.model_id, messages, tokens))
 
 
-def stream(
-    client: httpx.Client, node: RunningNode, messages: list[dict[str, str]], tokens: int
-) -> StreamResult:
-    body = {
-        "model": node.model_id,
-        "messages": messages,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    result = StreamResult(time.perf_counter())
-    with client.stream("POST", f"{node.base_url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk["choices"]:
-                if content := choice["delta"].get("content"):
-                    result.times.append(time.perf_counter())
-                    result.text += content
-            result.usage = chunk.get("usage") or result.usage
-    return result
-
-
-def second_turn(client: httpx.Client, node: RunningNode, nonce: str, tokens: int) -> StreamResult:
+def second_turn(client: httpx.Client, node: RunningNode, nonce: str, tokens: int) -> Stream:
     """Turn 1 about LONG_TEXT, then the timed turn 2 with turn 1's answer in the history."""
     conversation = [
         {"role": "system", "content": f"You are a careful clerk (session {nonce})."},
@@ -112,7 +75,7 @@ def aggregate_decode(
     """(aggregate tokens/s while all n decode together, mean time to first token, the n answers)."""
     barrier = threading.Barrier(n)
 
-    def one(prompt: str) -> StreamResult:
+    def one(prompt: str) -> Stream:
         barrier.wait(timeout=60)
         return stream(client, node, [{"role": "user", "content": prompt}], tokens)
 
@@ -122,7 +85,7 @@ def aggregate_decode(
     end = min(r.times[-1] for r in results)
     in_window = 0.0
     for r in results:
-        per_chunk = int(r.usage["completion_tokens"]) / len(r.times)  # type: ignore[call-overload]
+        per_chunk = int(r.usage["completion_tokens"]) / len(r.times)
         in_window += per_chunk * sum(1 for t in r.times if begin < t <= end)
     answers = [r.text for r in results]
     return in_window / (end - begin), statistics.mean(r.ttft for r in results), answers
@@ -136,7 +99,7 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        builtin = ensure_builtin_model(default_data_dir())
+        builtin = builtin_model()
         model_dir = (
             make_random_model(Path(tmp) / "random", tokenizer_from=builtin) if args.random else builtin
         )
@@ -156,9 +119,9 @@ def main() -> int:
                     ttft.setdefault(label, []).append(result.ttft)
                     answers.setdefault(label, []).append(result.text)
                     if label == "cache":
-                        prompt_tokens = int(result.usage["prompt_tokens"])  # type: ignore[call-overload]
+                        prompt_tokens = int(result.usage["prompt_tokens"])
                         details = result.usage["prompt_tokens_details"]
-                        cached_tokens = int(details["cached_tokens"])  # type: ignore[index]
+                        cached_tokens = int(details["cached_tokens"])
             finally:
                 node.stop()
         with_cache, without = statistics.median(ttft["cache"]), statistics.median(ttft["no cache"])
