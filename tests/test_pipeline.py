@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+import psutil
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load, stream_generate
@@ -31,6 +32,7 @@ from node.pipeline.hop import Frame, FrameError, HopError, Kind, decode_frame, e
 from node.pipeline.shard import SamplingParams, Shard, ShardError, ShardSpec, even_split, load_shard
 from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
 from tests.model_factory import make_random_model
+from tests.nodes import wait_until
 
 QUESTION = "What is the capital of France?"
 FAIL_FAST_TIMEOUT = 2.0
@@ -413,3 +415,28 @@ def test_a_frozen_stage_is_an_error_within_the_hop_timeout(six_layers: Path) -> 
         finally:
             os.kill(middle.pid, signal.SIGCONT)
         assert elapsed < FAIL_FAST_TIMEOUT + 2.0
+
+
+@pytest.mark.parametrize("tie", ["kernel", "watcher"])
+def test_a_stage_ends_with_the_node_that_started_it(six_layers: Path, tie: str) -> None:
+    """A stage must not outlive its node's SIGKILL: PR_SET_PDEATHSIG on Linux ("kernel"), and the
+    portable parent watcher (what macOS gets), here exercised alone through a shell parent."""
+    stage = f"-m node.pipeline.stage --model-path {six_layers} --start 3 --listen 127.0.0.1:0"
+    if tie == "kernel":
+        code = "import sys, time; from node.pipeline.stage import spawn_stage; "
+        code += f"spawn_stage({str(six_layers)!r}, start=3, die_with_parent=True); time.sleep(600)"
+        parent = subprocess.Popen([sys.executable, "-c", code])
+    else:
+        parent = subprocess.Popen(["sh", "-c", f"{sys.executable} {stage} --parent-pid $$ & wait"])
+    try:
+        wait_until(lambda: psutil.Process(parent.pid).children(), 30, "the stage started")
+        (child,) = psutil.Process(parent.pid).children()
+        parent.kill()
+        parent.wait(5)
+        gone, _ = psutil.wait_procs([child], timeout=15)
+        assert gone, "the stage outlived its parent"
+    finally:
+        parent.kill()
+        for process in psutil.Process().children(recursive=True):
+            if "node.pipeline.stage" in " ".join(process.cmdline()):
+                process.kill()

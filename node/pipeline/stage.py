@@ -259,6 +259,10 @@ class StageProcess:
                 self.process.wait()
 
 
+PARENT_POLL = 0.5
+"""Seconds between checks that the parent still lives (where the kernel cannot tell us: macOS)."""
+
+
 def _die_with_parent() -> None:
     """In the child before exec (Linux): get SIGKILL when the parent dies, however it dies.
 
@@ -269,6 +273,19 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """A watcher thread: once the parent is gone (we were re-parented), exit. Portable, unlike
+    `_die_with_parent`, and a second line of defence where that one works."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL)
+        log.warning("the node that started this stage is gone; exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def spawn_stage(
@@ -287,7 +304,8 @@ def spawn_stage(
     """Start `python -m node.pipeline.stage`; returns at once (call `wait_ready` next).
 
     Starting several stages and then waiting for all loads them in parallel. `die_with_parent`
-    (Linux only) kills the stage when this process dies, even by SIGKILL.
+    ends the stage when this process dies, even by SIGKILL: at once on Linux, within
+    `PARENT_POLL` elsewhere.
     """
     command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
     command += ["--start", str(start), "--listen", f"{host}:{port}", "--hop-timeout", str(hop_timeout)]
@@ -295,6 +313,8 @@ def spawn_stage(
         command += ["--end", str(end)]
     if next_address is not None:
         command += ["--next", f"{next_address[0]}:{next_address[1]}"]
+    if die_with_parent:
+        command += ["--parent-pid", str(os.getpid())]
     process = subprocess.Popen(
         [*command, *extra_args],
         stdout=subprocess.PIPE,
@@ -338,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "--next", default=None, help="HOST:PORT of the next hop, overriding the route the driver sends"
     )
     parser.add_argument("--hop-timeout", type=float, default=HOP_TIMEOUT)
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT)
     parser.add_argument(
         "--dtype",
@@ -347,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="stage: %(message)s", stream=sys.stderr)
+    if args.parent_pid is not None:
+        _exit_when_orphaned(args.parent_pid)
 
     prepare = None
     if args.dtype == "auto":
