@@ -67,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
         default=NodeConfig.prefix_cache_tokens,
         help="KV cache kept for later requests sharing a prefix, in tokens; 0 = off (default %(default)s)",
     )
+    run.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=NodeConfig.keepalive_s,
+        help="seconds without events after which a stream gets a keep-alive comment (default %(default)s)",
+    )
+    run.add_argument(
+        "--no-fast-path", action="store_true", help="run models on plain MLX, not the BLAS fast path"
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_mesh_arguments(run)
 
@@ -102,6 +111,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.api_port < 0 or args.api_port > 65535:
         print(f"shoal: --api-port must be between 0 and 65535, got {args.api_port}", file=sys.stderr)
         return 2
+    if not args.sse_keepalive > 0:
+        print(
+            f"shoal: --sse-keepalive must be a positive number of seconds, got {args.sse_keepalive}",
+            file=sys.stderr,
+        )
+        return 2
     data_dir = args.data_dir or default_data_dir()
     try:
         mesh = mesh_config_from_args(args, data_dir)
@@ -118,6 +133,8 @@ def _run(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent,
         max_queued=args.max_queued,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        keepalive_s=args.sse_keepalive,
+        fast_path=not args.no_fast_path,
     )
     try:
         trio.run(run_node, config)

@@ -38,3 +38,6 @@ class NodeConfig:
     = 0.4 GB for SmolLM2-135M, 1.9 GB for Qwen3-0.6B."""
     keepalive_s: float = 10.0
     """An SSE comment goes out after this long without events, so proxies keep the stream open."""
+    fast_path: bool = True
+    """Runners use the BLAS fast path where it is available (Linux CPU); off = plain MLX, for
+    comparisons and as the escape hatch should the fast path misbehave on some machine."""

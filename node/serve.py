@@ -89,6 +89,7 @@ async def run_node(config: NodeConfig) -> None:
             max_concurrent=config.max_concurrent,
             max_queued=config.max_queued,
             prefix_cache_tokens=config.prefix_cache_tokens,
+            fast_path=config.fast_path,
         )
 
     cluster = ClusterService(mesh, profile, ClusterConfig(cluster=config.mesh.cluster))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.nodes import RunningNode
+from tests.nodes import RunningNode, start_node
 
 CHAT = "/v1/chat/completions"
 QUESTION: list[ChatCompletionMessageParam] = [
@@ -42,14 +43,17 @@ def model(random_node: RunningNode) -> str:
     return random_node.model_id
 
 
-@pytest.fixture(scope="module")
-def sse_lines(random_node: RunningNode, model: str) -> list[str]:
-    """Every non-blank line of one streamed completion with `include_usage`."""
-    body = _body(model, stream_options={"include_usage": True})
-    with httpx.stream("POST", random_node.base_url + CHAT, json=body, timeout=120) as response:
+def _stream_lines(node: RunningNode, body: dict[str, Any]) -> list[str]:
+    """Every non-blank line of one streamed completion."""
+    with httpx.stream("POST", node.base_url + CHAT, json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         return [line for line in response.iter_lines() if line]
+
+
+@pytest.fixture(scope="module")
+def sse_lines(random_node: RunningNode, model: str) -> list[str]:
+    return _stream_lines(random_node, _body(model, stream_options={"include_usage": True}))
 
 
 def _chunks(lines: list[str]) -> list[dict[str, Any]]:
@@ -189,3 +193,25 @@ def test_cancel_endpoint_ends_the_stream(random_node: RunningNode, model: str) -
     finish = json.loads(rest[-2][6:])["choices"][0]
     assert finish["finish_reason"] == "stop"
     _wait_idle(random_node)
+
+
+def test_plain_mlx_node_keeps_a_quiet_stream_alive_and_answers_the_same(
+    random_node: RunningNode, random_model_dir: Path, model: str, sse_lines: list[str], tmp_path: Path
+) -> None:
+    """`--no-fast-path` runs plain MLX (slow prefill: a quiet stream) with the same greedy tokens as
+    the fast path; `--sse-keepalive` fills the quiet with comments that SDKs ignore."""
+    flags = ("--no-fast-path", "--sse-keepalive", "0.05")
+    node = start_node(*flags, data_dir=tmp_path, model=str(random_model_dir))
+    try:
+        node.wait_for_log("fast CPU path off: disabled by configuration", timeout=5)
+        lines = _stream_lines(node, _body(model, stream_options={"include_usage": True}))
+    finally:
+        node.stop()
+    data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
+    assert any(line == ": keep-alive" for line in lines[data[0] : data[1]]), lines[:12]
+    assert lines.count(": keep-alive") < 400  # one per quiet 0.05 s, not a flood
+
+    def content(stream: list[str]) -> list[Any]:
+        return [c["choices"][0]["delta"].get("content") for c in _chunks(stream) if c["choices"]]
+
+    assert content(lines) == content(sse_lines)
