@@ -12,6 +12,8 @@ both. Every run's text must equal the first 1-stage run's ("same text").
 
 On one machine the stages share its cores and run one after another for each token, so the ratio
 to 1 stage measures what splitting costs, not a speed-up (targets: 2 stages >= 0.95x, 3 >= 0.9x).
+Only a quiet machine gives that figure: beside other busy processes, N stage processes (each with
+its BLAS threads) may get a larger share of the cores than one runner, and ratios above 1 appear.
 Models: the built-in SmolLM2-135M (float32) and a random-weight llama of ~380 MB.
 
     .venv/bin/python bench/instances.py [--tokens 64] [--repeats 3] [--models smollm2 random]
