@@ -423,20 +423,22 @@ def test_a_stage_ends_with_the_node_that_started_it(six_layers: Path, tie: str) 
     portable parent watcher (what macOS gets), here exercised alone through a shell parent."""
     stage = f"-m node.pipeline.stage --model-path {six_layers} --start 3 --listen 127.0.0.1:0"
     if tie == "kernel":
-        code = "import sys, time; from node.pipeline.stage import spawn_stage; "
+        code = "import time; from node.pipeline.stage import spawn_stage; "
         code += f"spawn_stage({str(six_layers)!r}, start=3, die_with_parent=True); time.sleep(600)"
         parent = subprocess.Popen([sys.executable, "-c", code])
     else:
         parent = subprocess.Popen(["sh", "-c", f"{sys.executable} {stage} --parent-pid $$ & wait"])
+    children: list[psutil.Process] = []
     try:
         wait_until(lambda: psutil.Process(parent.pid).children(), 30, "the stage started")
-        (child,) = psutil.Process(parent.pid).children()
+        children = psutil.Process(parent.pid).children()
+        assert len(children) == 1, children
         parent.kill()
         parent.wait(5)
-        gone, _ = psutil.wait_procs([child], timeout=15)
+        gone, _ = psutil.wait_procs(children, timeout=15)
         assert gone, "the stage outlived its parent"
     finally:
         parent.kill()
-        for process in psutil.Process().children(recursive=True):
-            if "node.pipeline.stage" in " ".join(process.cmdline()):
-                process.kill()
+        for child in children:  # re-parented when the test fails: not among our children any more
+            if child.is_running():
+                child.kill()
