@@ -2,6 +2,9 @@
 
 Same model, same prompt, same run, greedy: decode tokens/s and time to first token on both paths.
 Models: the built-in SmolLM2-135M (float32) and a random-weight llama of a few hundred MB.
+The node runs plain MLX too (`--no-fast-path`) and caches no prefixes (`--prefix-cache-tokens 0`:
+every repeat sends the same prompt), so the difference is what serving adds: HTTP, the runner
+process, detokenizing and SSE. `runner_speed.py` measures what the fast path gains.
 
     .venv/bin/python bench/serving.py [--tokens 64] [--repeats 3]
 """
@@ -46,7 +49,7 @@ def shoal_run(client: httpx.Client, base_url: str, model_id: str, tokens: int) -
 def compare(model_dir: Path, data_dir: Path, tokens: int, repeats: int) -> tuple[Run, Run]:
     """Alternate the two paths run by run, so drifting background load hits both alike."""
     plain = PlainMlxLm(model_dir)
-    node = start_node(data_dir=data_dir, model=str(model_dir))
+    node = start_node("--no-fast-path", "--prefix-cache-tokens", "0", data_dir=data_dir, model=str(model_dir))
     plain_runs, shoal_runs = [], []
     try:
         assert node.model_id is not None
