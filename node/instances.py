@@ -11,7 +11,6 @@ A leader change keeps instances: records live in the replicated state, not in th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import re
@@ -27,9 +26,9 @@ from node.cluster import ClusterService
 from node.models import ResolvedModel, resolve_model
 from node.models.shape import model_shape
 from node.net.mesh import Mesh, RequestError
-from node.pipeline.stage import spawn_stage, wait_ready
 from node.runner.fastpath import runner_environment
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from node.stages import StageRoute, run_entry, run_stage_process
 from protocol.cluster import NotLeaderError
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.cluster_view import InstanceView, StageView
@@ -64,10 +63,6 @@ class InstanceOptions:
     """4 on the CPU (weights run in float32 there); None keeps the stored dtype (GPU)."""
     runner_spec: Callable[[ModelId, Path], RunnerSpec]
     """How this node runs a model it was given: the runner settings of `shoal run`'s flags."""
-
-
-STAGE_READY_TIMEOUT = 300.0
-"""How long a stage process may take to load its layers, and the entry node to collect addresses."""
 
 
 @dataclass
@@ -199,93 +194,35 @@ class InstanceManager:
     # --- pipelines ---------------------------------------------------------------------------
     async def _run_stage(self, local: _Local, path: Path, stage: StageAssignment) -> None:
         """Run this node's stage process of a pipeline until the instance goes away or changes."""
-        host = _reachable_host(self.mesh.addrs())
         spec = self.options.runner_spec(local.record.model, path)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         env.update(runner_environment(env, enabled=spec.fast_path))
-        iid = local.record.instance_id
+
+        def publish(address: str | None) -> None:
+            local.stage_address = address
+
         with local.scope:
-            backoff = 0.5
-            port = 0  # a free one at first; a restarted stage keeps it, so the entry's route stays valid
-            while True:
-                process = spawn_stage(
-                    path,
-                    start=stage.start_layer,
-                    end=stage.end_layer,
-                    host=host,
-                    port=port,
-                    env=env,
-                    die_with_parent=True,
-                )
-                try:
-                    await trio.to_thread.run_sync(
-                        functools.partial(wait_ready, process, timeout=STAGE_READY_TIMEOUT),
-                        abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing's stubs are older
-                    )
-                    port = process.address[1]
-                    local.stage_address = f"{host}:{port}"
-                    log.info(
-                        "instance %s: stage [%d, %d) listens on %s",
-                        iid,
-                        stage.start_layer,
-                        stage.end_layer,
-                        local.stage_address,
-                    )
-                    backoff = 0.5
-                    await trio.to_thread.run_sync(process.process.wait, abandon_on_cancel=True)  # type: ignore[call-arg]
-                    log.warning("instance %s: stage process exited (%s)", iid, process.process.returncode)
-                except RuntimeError as exc:
-                    log.error(
-                        "instance %s: stage [%d, %d) failed: %s", iid, stage.start_layer, stage.end_layer, exc
-                    )
-                finally:
-                    local.stage_address = None
-                    with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(process.stop)
-                    log.info("instance %s: stage [%d, %d) stopped", iid, stage.start_layer, stage.end_layer)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+            host = _reachable_host(self.mesh.addrs())
+            await run_stage_process(
+                path, stage, host=host, env=env, publish=publish, instance=local.record.instance_id
+            )
 
     async def _run_entry(self, local: _Local, path: Path) -> None:
-        """The first stage: collect the later stages' addresses, then run the runner in pipeline mode."""
+        """The first stage: the runner in pipeline mode, with the later stages' current addresses."""
         record = local.record
-        with local.scope:
-            addresses: list[str] = []
-            with trio.move_on_after(STAGE_READY_TIMEOUT):
-                for stage in record.stages[1:]:
-                    addresses.append(await self._stage_address(record, stage))
-            if len(addresses) != len(record.stages) - 1:
-                log.error(
-                    "instance %s: its stages did not all become ready; not serving it", record.instance_id
-                )
-                return
-            log.info("instance %s: stages at %s", record.instance_id, ", ".join(addresses))
-            base = self.options.runner_spec(record.model, path)
-            host = _reachable_host(self.mesh.addrs())
-            runner = RunnerSupervisor(
-                dataclasses.replace(base, pipeline=(record.stages[0].end_layer, host, tuple(addresses)))
-            )
-            local.runner = runner
-            await self._serve(runner)
+        base = self.options.runner_spec(record.model, path)
+        host = _reachable_host(self.mesh.addrs())
 
-    async def _stage_address(self, record: InstanceRecord, stage: StageAssignment) -> str:
-        """Ask `stage.node` where its stage listens, until it answers with an address."""
-        question = StageAddress(
-            instance_id=record.instance_id,
-            start_layer=stage.start_layer,
-            end_layer=stage.end_layer,
-            nodes=tuple(s.node for s in record.stages),
-        )
-        while True:
-            try:
-                answer = decode_control(
-                    await self.mesh.request(stage.node, encode_control(question), protocol=CONTROL_PROTOCOL)
-                )
-                if isinstance(answer, StageAddressAnswer) and answer.address is not None:
-                    return answer.address
-            except (RequestError, ControlWireError) as exc:
-                log.debug("stage node %s did not answer yet: %s", stage.node, exc)
-            await trio.sleep(0.5)
+        def runner_for(route: tuple[str, ...]) -> RunnerSupervisor:
+            return RunnerSupervisor(
+                dataclasses.replace(base, pipeline=(record.stages[0].end_layer, host, route))
+            )
+
+        def publish(runner: RunnerSupervisor | None) -> None:
+            local.runner = runner
+
+        with local.scope:
+            await run_entry(StageRoute(self.mesh, record), runner_for, self._serve, publish)
 
     def _answer_stage_address(self, question: StageAddress) -> StageAddressAnswer:
         local = self._local.get(InstanceId(question.instance_id))

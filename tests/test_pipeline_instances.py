@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -201,6 +202,19 @@ def test_three_stages_match_one_node_and_survive_stage_failures(
     assert len(set(re.findall(listens, "".join(middle.log)))) == 1, "the stage moved to another port"
     assert _tokens(trio_nodes[0], name) == split
     assert [i["stages"] for i in _instances(entry) if i["id"] == instance_id] == [stages]
+
+    # Again, but another program takes the port meanwhile: the stage restarts elsewhere, and the
+    # entry follows it to the new port.
+    (victim,) = _stage_processes(middle)
+    host, port = re.findall(listens, "".join(middle.log))[-1].rsplit(":", 1)
+    victim.kill()
+    victim.wait(10)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((host, int(port)))
+        squatter.listen()
+        entry.wait_for_log(rf"moved from {host}:{port} to ", timeout=60)
+        wait_until(lambda: _tokens(trio_nodes[0], name) == split, 60, "served through the moved stage")
 
     # kill -9 the middle node: the error, then the leader re-places the instance on the survivors.
     after, seconds = _stream_until_failure(last, name, lambda: middle.process.send_signal(signal.SIGKILL))

@@ -1,0 +1,166 @@
+"""This node's part of a multi-stage instance: a later stage's process, or the entry's runner.
+
+A later stage runs `node.pipeline.stage` in its own process and restarts it whenever it exits, on
+the same port when it can, so the entry's route stays valid; the address is published for the
+entry's `StageAddress` questions. The entry asks every later stage where it listens and runs the
+runner in pipeline mode with that route. It keeps asking: a stage that had to move (its port was
+taken while it restarted) gets the runner restarted with the new route, with no user action.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import NoReturn
+
+import trio
+
+from node.net.mesh import Mesh, RequestError
+from node.pipeline.stage import spawn_stage, wait_ready
+from node.runner.supervisor import RunnerSupervisor
+from protocol.cluster_records import InstanceRecord, StageAssignment
+from protocol.control_wire import (
+    CONTROL_PROTOCOL,
+    ControlWireError,
+    StageAddress,
+    StageAddressAnswer,
+    decode_control,
+    encode_control,
+)
+
+log = logging.getLogger("shoal.instances")
+
+STAGE_READY_TIMEOUT = 300.0
+"""How long a stage process may take to load its layers, and the entry node to collect addresses."""
+ADDRESS_POLL = 0.5
+"""Seconds between questions while a stage is not ready yet."""
+ROUTE_CHECK_INTERVAL = 2.0
+"""Seconds between the entry's checks that its route still holds: one small request per stage."""
+
+
+def _label(stage: StageAssignment) -> str:
+    return f"stage [{stage.start_layer}, {stage.end_layer})"
+
+
+async def run_stage_process(
+    path: Path,
+    stage: StageAssignment,
+    *,
+    host: str,
+    env: Mapping[str, str],
+    publish: Callable[[str | None], None],
+    instance: str,
+) -> NoReturn:
+    """Keep this node's stage process running; `publish` gets its HOST:PORT, or None while down."""
+    backoff = 0.5
+    port = 0  # any free port at first; restarts ask for the same one
+    while True:
+        process = spawn_stage(
+            path,
+            start=stage.start_layer,
+            end=stage.end_layer,
+            host=host,
+            port=port,
+            env=env,
+            die_with_parent=True,
+        )
+        try:
+            await trio.to_thread.run_sync(
+                functools.partial(wait_ready, process, timeout=STAGE_READY_TIMEOUT),
+                abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing's stubs are older
+            )
+            port = process.address[1]
+            publish(f"{host}:{port}")
+            log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
+            backoff = 0.5
+            await trio.to_thread.run_sync(process.process.wait, abandon_on_cancel=True)  # type: ignore[call-arg]
+            log.warning("instance %s: stage process exited (%s)", instance, process.process.returncode)
+        except RuntimeError as exc:
+            log.error("instance %s: %s failed: %s", instance, _label(stage), exc)
+            port = 0  # the port may have been taken meanwhile: take any, the entry follows
+        finally:
+            publish(None)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(process.stop)
+            log.info("instance %s: %s stopped", instance, _label(stage))
+        await trio.sleep(backoff)
+        backoff = min(backoff * 2, 10.0)
+
+
+class StageRoute:
+    """The entry's questions to the later stages' nodes: where does your stage listen?"""
+
+    def __init__(self, mesh: Mesh, record: InstanceRecord) -> None:
+        self.mesh = mesh
+        self.record = record
+
+    async def ask(self, stage: StageAssignment) -> str | None:
+        """One question; None when the stage is not ready or its node does not answer."""
+        question = StageAddress(
+            instance_id=self.record.instance_id,
+            start_layer=stage.start_layer,
+            end_layer=stage.end_layer,
+            nodes=tuple(s.node for s in self.record.stages),
+        )
+        try:
+            answer = decode_control(
+                await self.mesh.request(stage.node, encode_control(question), protocol=CONTROL_PROTOCOL)
+            )
+        except (RequestError, ControlWireError) as exc:
+            log.debug("stage node %s did not answer: %s", stage.node, exc)
+            return None
+        return answer.address if isinstance(answer, StageAddressAnswer) else None
+
+    async def collect(self) -> tuple[str, ...]:
+        """Every later stage's address, in layer order, waiting for those not ready yet."""
+        route: list[str] = []
+        for stage in self.record.stages[1:]:
+            while (address := await self.ask(stage)) is None:
+                await trio.sleep(ADDRESS_POLL)
+            route.append(address)
+        return tuple(route)
+
+    async def wait_moved(self, route: tuple[str, ...]) -> None:
+        """Return once a stage answers with another address than `route` has for it."""
+        while True:
+            await trio.sleep(ROUTE_CHECK_INTERVAL)
+            for stage, known in zip(self.record.stages[1:], route, strict=True):
+                address = await self.ask(stage)
+                if address is not None and address != known:
+                    log.info(
+                        "instance %s: %s moved from %s to %s",
+                        self.record.instance_id,
+                        _label(stage),
+                        known,
+                        address,
+                    )
+                    return
+
+
+async def run_entry(
+    route: StageRoute,
+    runner_for: Callable[[tuple[str, ...]], RunnerSupervisor],
+    serve: Callable[[RunnerSupervisor], Awaitable[None]],
+    publish: Callable[[RunnerSupervisor | None], None],
+) -> None:
+    """The first stage: the pipeline runner for the current route, restarted whenever it changes."""
+    iid = route.record.instance_id
+    while True:
+        addresses: tuple[str, ...] = ()
+        with trio.move_on_after(STAGE_READY_TIMEOUT):
+            addresses = await route.collect()
+        if not addresses:
+            log.error("instance %s: its stages did not all become ready; not serving it", iid)
+            return
+        log.info("instance %s: stages at %s", iid, ", ".join(addresses))
+        runner = runner_for(addresses)
+        publish(runner)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve, runner)
+                await route.wait_moved(addresses)
+                nursery.cancel_scope.cancel()
+        finally:
+            publish(None)
