@@ -34,7 +34,15 @@ from protocol.cluster_records import InstanceRecord, NodeProfile
 from protocol.cluster_view import ClusterView, InstanceView, MemberView, StageView
 from protocol.election import Decision, ElectionConfig, apply_decision, decide_leader, may_claim
 from protocol.ids import InstanceId, NodeId
-from protocol.membership import FailureDetectorConfig, Status, Transition, View, observe_state, tick
+from protocol.membership import (
+    FailureDetectorConfig,
+    Status,
+    Transition,
+    View,
+    disconnected,
+    observe_state,
+    tick,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -235,6 +243,8 @@ class ClusterService:
         async for event in self.mesh.events:
             if event.up:
                 await self._sync_with(event.peer_id)
+            else:  # crashed or killed, most likely: the detector may call it dead sooner
+                self.view = disconnected(self.view, NodeId(event.peer_id), self._clock())
 
     async def _sync_with(self, peer_id: str) -> None:
         """Push-pull: send our digest, merge what the peer says we lack, send what it lacks."""

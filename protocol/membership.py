@@ -15,6 +15,12 @@ Incarnations: a node that finds itself named in another's `suspects` bumps its i
 make the refutation immediate and to outdate the suspicion (a record suspecting incarnation i no
 longer applies at i + 1). A node restarted with the same identity continues above its old version.
 
+A closed connection is a second, faster signal: a crashed or killed node's sockets close at once
+(`disconnected`). A member whose last connection closed and that sends no newer heartbeat within
+`lost_dead_after_s` is dead then, without waiting out `dead_after_s`. A live node whose connection
+merely dropped keeps heartbeating through the other members' gossip (or reconnects) well within
+that time; a frozen node (its sockets stay open) is still judged by silence alone.
+
 A local pause (SIGSTOP, a starved event loop) must not make every peer look dead: when `tick` finds
 that more than `pause_threshold_s` passed since the previous tick, the gap is not counted against
 anyone. The driver must therefore tick at least every `tick_interval_s`.
@@ -49,10 +55,15 @@ class FailureDetectorConfig:
     """5 heartbeats missed (and ~2 anti-entropy rounds at 1 s): gossip loss alone rarely gets here."""
     pause_threshold_s: float = 1.0
     """A gap between ticks longer than this is a local pause, not a silence of the peers."""
+    lost_dead_after_s: float = 1.5
+    """After its last connection closed, this long without a newer heartbeat makes a member dead:
+    3 heartbeats, so a live node that lost one connection is heard through others or redialed."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval_s < self.suspect_after_s < self.dead_after_s:
             raise ValueError("need 0 < heartbeat_interval_s < suspect_after_s < dead_after_s")
+        if not self.heartbeat_interval_s < self.lost_dead_after_s <= self.dead_after_s:
+            raise ValueError("need heartbeat_interval_s < lost_dead_after_s <= dead_after_s")
         if not 0 < self.tick_interval_s < self.pause_threshold_s:
             raise ValueError("need 0 < tick_interval_s < pause_threshold_s")
 
@@ -77,6 +88,10 @@ class MemberState:
     heartbeat: int
     last_advance: float
     """Local time at which this heartbeat (or the first sighting) arrived."""
+    lost_at: float | None = None
+    """Local time at which its last connection closed, unless it proved alive since."""
+    lost_beat: int = 0
+    """The heartbeat counter known when the connection closed (see `_still_lost`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +150,8 @@ def _observe(
     # (rejoined) and the unknown (a newcomer).
     after = Status.LEFT if left else Status.ALIVE
     member = MemberState(node, after, incarnation, heartbeat, now)
+    if _still_lost(known, incarnation, heartbeat):
+        member = replace(member, lost_at=known.lost_at, lost_beat=known.lost_beat)
     if known.status is after:
         return member, None
     return member, Transition(node, known.status, after, incarnation, now)
@@ -173,13 +190,32 @@ def observe_state(
     return (view if members is None else View(members, view.last_tick)), changes
 
 
-def _judge(member: MemberState, silence: float, config: FailureDetectorConfig) -> Status:
+def _still_lost(known: MemberState, incarnation: int, heartbeat: int) -> bool:
+    """Whether a newer heartbeat leaves a lost connection unexplained. The one heartbeat a node may
+    have sent just before it died can arrive after its connection closed (relayed by others); only
+    a second one, or a new incarnation, proves it alive."""
+    return known.lost_at is not None and incarnation == known.incarnation and heartbeat < known.lost_beat + 2
+
+
+def disconnected(view: View, node: NodeId, now: float) -> View:
+    """Notes that `node`'s last connection closed at `now` (until it proves alive)."""
+    member = view.members.get(node)
+    if member is None or member.status in (Status.LEFT, Status.DEAD) or member.lost_at is not None:
+        return view
+    lost = replace(member, lost_at=now, lost_beat=member.heartbeat)
+    return View({**view.members, node: lost}, view.last_tick)
+
+
+def _judge(member: MemberState, now: float, config: FailureDetectorConfig) -> Status:
     # Left and dead stay so until a newer heartbeat arrives (handled by `observe`).
     if member.status in (Status.LEFT, Status.DEAD):
         return member.status
-    # Silent too long: dead, whatever it was (alive, suspect or never heard from).
-    if silence >= config.dead_after_s:
+    # Silent too long, or cut off and silent since: dead, whatever it was.
+    if now - member.last_advance >= config.dead_after_s:
         return Status.DEAD
+    if member.lost_at is not None and now - member.lost_at >= config.lost_dead_after_s:
+        return Status.DEAD
+    silence = now - member.last_advance
     # An unknown member is never suspected: it has not been alive yet.
     if member.status is Status.UNKNOWN:
         return Status.UNKNOWN
@@ -189,17 +225,25 @@ def _judge(member: MemberState, silence: float, config: FailureDetectorConfig) -
     return member.status
 
 
+def _shifted(member: MemberState, gap: float, now: float) -> MemberState:
+    """Moves a member's clocks forward by a local pause of `gap` seconds (never past `now`)."""
+    lost_at = None if member.lost_at is None else min(member.lost_at + gap, now)
+    return replace(member, last_advance=min(member.last_advance + gap, now), lost_at=lost_at)
+
+
 def tick(view: View, now: float, config: FailureDetectorConfig) -> tuple[View, list[Transition]]:
     """Judges every member at local time `now`. Call every `config.tick_interval_s`."""
     members = dict(view.members)
     # A long gap since the last tick means this process was paused: shift every clock by the gap.
     if view.last_tick is not None and now - view.last_tick > config.pause_threshold_s:
         gap = now - view.last_tick
-        members = {n: replace(m, last_advance=min(m.last_advance + gap, now)) for n, m in members.items()}
+        members = {n: _shifted(m, gap, now) for n, m in members.items()}
     changes: list[Transition] = []
     for node, member in members.items():
-        after = _judge(member, now - member.last_advance, config)
+        after = _judge(member, now, config)
         if after is not member.status:
             changes.append(Transition(node, member.status, after, member.incarnation, now))
-            members[node] = replace(member, status=after)
+            # Dead is final until a newer heartbeat: the cut that led here is no longer evidence.
+            lost_at = None if after is Status.DEAD else member.lost_at
+            members[node] = replace(member, status=after, lost_at=lost_at)
     return View(members, now), changes

@@ -12,6 +12,7 @@ from protocol.membership import (
     Status,
     Transition,
     View,
+    disconnected,
     observe,
     observe_state,
     tick,
@@ -23,6 +24,7 @@ ME = NodeId("12D3KooWMe")
 
 # A script is a list of steps at explicit local times:
 #   ("beat", t, incarnation, heartbeat) | ("leave", t, incarnation, heartbeat) | ("tick", t)
+#   | ("cut", t): its last connection closed
 # and the expected status after the last step.
 Step = tuple[object, ...]
 
@@ -37,6 +39,8 @@ def run(steps: list[Step], config: FailureDetectorConfig = CFG) -> tuple[View, l
                 view, changes = observe(view, N, inc, hb, t, left=True)
             case ("tick", float(t)):
                 view, changes = tick(view, t, config)
+            case ("cut", float(t)):
+                view, changes = disconnected(view, N, t), []
             case _:
                 raise AssertionError(step)
         log += changes
@@ -114,6 +118,46 @@ ALIVE_AT_0: list[Step] = [("beat", 0.0, 0, 1), ("beat", 0.0, 0, 2)]
             Status.ALIVE,
         ),
         (
+            "connection closed and silent since: dead 1.5 s later, not 2.5",
+            [*ALIVE_AT_0, ("beat", 1.0, 0, 3), ("cut", 1.1), *ticks(1.0, 2.75)],
+            Status.DEAD,
+        ),
+        (
+            "connection closed: not dead before 1.5 s",
+            [*ALIVE_AT_0, ("beat", 1.0, 0, 3), ("cut", 1.1), *ticks(1.0, 2.5)],
+            Status.SUSPECT,
+        ),
+        (
+            "connection closed, but newer heartbeats came through the others: alive",
+            [*ALIVE_AT_0, ("cut", 0.3), ("beat", 0.5, 0, 3), ("beat", 0.6, 0, 4), *ticks(0.5, 2.0)],
+            Status.ALIVE,
+        ),
+        (
+            "one heartbeat arriving after the cut may have been sent before it: still lost",
+            [*ALIVE_AT_0, ("cut", 0.3), ("beat", 0.6, 0, 3), *ticks(0.5, 2.0)],
+            Status.DEAD,
+        ),
+        (
+            "a new incarnation after the cut proves it alive",
+            [*ALIVE_AT_0, ("cut", 0.3), ("beat", 0.6, 1, 0), *ticks(0.5, 2.0)],
+            Status.ALIVE,
+        ),
+        (
+            "heartbeats after the cut clear it for good: silence alone judges again",
+            [*ALIVE_AT_0, ("cut", 0.3), ("beat", 0.5, 0, 3), ("beat", 0.5, 0, 4), *ticks(0.5, 2.75)],
+            Status.SUSPECT,
+        ),
+        (
+            "dead after a cut, then back (SIGCONT): alive from its first new heartbeat, no flapping",
+            [*ALIVE_AT_0, ("cut", 0.3), *ticks(0.5, 2.0), ("beat", 5.0, 0, 3), *ticks(5.0, 5.75)],
+            Status.ALIVE,
+        ),
+        (
+            "a cut during a local pause is not counted",
+            [*ALIVE_AT_0, ("tick", 0.25), ("cut", 0.3), ("tick", 10.25), ("tick", 10.5)],
+            Status.ALIVE,
+        ),
+        (
             "after a pause, silence still counts from the resume",
             [*ALIVE_AT_0, ("tick", 0.25), *ticks(10.25, 12.75)],
             Status.DEAD,
@@ -150,6 +194,8 @@ def test_config_rejects_inconsistent_timings() -> None:
         FailureDetectorConfig(suspect_after_s=3.0, dead_after_s=2.0)
     with pytest.raises(ValueError):
         FailureDetectorConfig(tick_interval_s=2.0, pause_threshold_s=1.0)
+    with pytest.raises(ValueError):
+        FailureDetectorConfig(lost_dead_after_s=3.0)
 
 
 def test_view_lists_live_members_and_suspects() -> None:
