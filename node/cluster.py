@@ -41,6 +41,7 @@ from protocol.membership import (
     View,
     disconnected,
     observe_state,
+    reconnected,
     tick,
 )
 
@@ -242,6 +243,7 @@ class ClusterService:
     async def _peer_events(self) -> None:
         async for event in self.mesh.events:
             if event.up:
+                self.view = reconnected(self.view, NodeId(event.peer_id))
                 await self._sync_with(event.peer_id)
             else:  # crashed or killed, most likely: the detector may call it dead sooner
                 self.view = disconnected(self.view, NodeId(event.peer_id), self._clock())

@@ -16,10 +16,11 @@ make the refutation immediate and to outdate the suspicion (a record suspecting 
 longer applies at i + 1). A node restarted with the same identity continues above its old version.
 
 A closed connection is a second, faster signal: a crashed or killed node's sockets close at once
-(`disconnected`). A member whose last connection closed and that sends no newer heartbeat within
+(`disconnected`). A member whose last connection closed and that gives no proof of life within
 `lost_dead_after_s` is dead then, without waiting out `dead_after_s`. A live node whose connection
-merely dropped keeps heartbeating through the other members' gossip (or reconnects) well within
-that time; a frozen node (its sockets stay open) is still judged by silence alone.
+merely dropped reconnects (`reconnected`: a new authenticated connection is proof of life) or keeps
+heartbeating through the other members' gossip well within that time. A frozen node (its sockets
+stay open) is still judged by silence alone.
 
 A local pause (SIGSTOP, a starved event loop) must not make every peer look dead: when `tick` finds
 that more than `pause_threshold_s` passed since the previous tick, the gap is not counted against
@@ -204,6 +205,14 @@ def disconnected(view: View, node: NodeId, now: float) -> View:
         return view
     lost = replace(member, lost_at=now, lost_beat=member.heartbeat)
     return View({**view.members, node: lost}, view.last_tick)
+
+
+def reconnected(view: View, node: NodeId) -> View:
+    """`node` authenticated a connection with us again: alive, whatever the closed one suggested."""
+    member = view.members.get(node)
+    if member is None or member.lost_at is None:
+        return view
+    return View({**view.members, node: replace(member, lost_at=None)}, view.last_tick)
 
 
 def _judge(member: MemberState, now: float, config: FailureDetectorConfig) -> Status:

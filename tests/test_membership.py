@@ -15,6 +15,7 @@ from protocol.membership import (
     disconnected,
     observe,
     observe_state,
+    reconnected,
     tick,
 )
 
@@ -24,7 +25,7 @@ ME = NodeId("12D3KooWMe")
 
 # A script is a list of steps at explicit local times:
 #   ("beat", t, incarnation, heartbeat) | ("leave", t, incarnation, heartbeat) | ("tick", t)
-#   | ("cut", t): its last connection closed
+#   | ("cut", t): its last connection closed | ("reconnect", t): it authenticated a new one
 # and the expected status after the last step.
 Step = tuple[object, ...]
 
@@ -41,6 +42,8 @@ def run(steps: list[Step], config: FailureDetectorConfig = CFG) -> tuple[View, l
                 view, changes = tick(view, t, config)
             case ("cut", float(t)):
                 view, changes = disconnected(view, N, t), []
+            case ("reconnect", float(t)):
+                view, changes = reconnected(view, N), []
             case _:
                 raise AssertionError(step)
         log += changes
@@ -136,6 +139,11 @@ ALIVE_AT_0: list[Step] = [("beat", 0.0, 0, 1), ("beat", 0.0, 0, 2)]
             "one heartbeat arriving after the cut may have been sent before it: still lost",
             [*ALIVE_AT_0, ("cut", 0.3), ("beat", 0.6, 0, 3), *ticks(0.5, 2.0)],
             Status.DEAD,
+        ),
+        (
+            "a new authenticated connection after the cut proves it alive",
+            [*ALIVE_AT_0, ("beat", 1.0, 0, 3), ("cut", 1.1), ("reconnect", 1.3), *ticks(1.0, 2.75)],
+            Status.SUSPECT,
         ),
         (
             "a new incarnation after the cut proves it alive",
