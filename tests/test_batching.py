@@ -162,7 +162,8 @@ def test_past_the_queue_limit_the_api_answers_429(small_node: RunningNode) -> No
                 httpx.stream("POST", url, json=_body(small_node, prompt, max_tokens=1500), timeout=60)
             )
             assert r.status_code == 200
-        assert small_node.health()["runners"][0]["active_requests"] == 2
+        runner = small_node.health()["runners"][0]
+        assert (runner["active_requests"], runner["queued_requests"]) == (2, 1)
         for stream in (False, True):
             refused = httpx.post(url, json={**_body(small_node, PROMPTS[2]), "stream": stream}, timeout=10)
             assert refused.status_code == 429, refused.text

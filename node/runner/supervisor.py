@@ -269,6 +269,12 @@ class RunnerSupervisor:
     def has_request(self, request_id: RequestId) -> bool:
         return request_id in self._in_flight
 
+    @property
+    def _batch_capacity(self) -> int:
+        """Requests the runner decodes at once; the rest of those in flight wait in its queue (it
+        admits whenever a place frees). A pipeline runs one request at a time."""
+        return 1 if self.spec.pipeline is not None else self.spec.max_concurrent
+
     def health(self) -> dict[str, Any]:
         return {
             "model": self.spec.model_id,
@@ -276,6 +282,7 @@ class RunnerSupervisor:
             "pid": self._process.pid if self._process is not None else None,
             "restarts": self.restarts,
             "active_requests": len(self._in_flight),
+            "queued_requests": max(0, len(self._in_flight) - self._batch_capacity),
             "cancelled": self.cancelled,
             "context_length": self.ready_info.context_length if self.ready_info else None,
             "error": self.failure,
