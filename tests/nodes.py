@@ -33,6 +33,11 @@ class RunningNode:
     """The network namespace the node runs in (its API is reachable only from there)."""
     log: list[str] = field(default_factory=list)
     _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    _output_closed: threading.Event = field(default_factory=threading.Event)
+
+    def wait_output_closed(self, timeout: float) -> None:
+        """Wait until every process writing to the node's output (it and its runners) has let go."""
+        assert self._output_closed.wait(timeout), "the node's output is still open"
 
     def wait_for_log(self, pattern: str | re.Pattern[str], timeout: float) -> re.Match[str]:
         """Wait until a log line (old or new) matches; fail with the log when it doesn't in time."""
@@ -132,6 +137,7 @@ def start_node(
             node.log.append(line)
             node._lines.put(line)
         node._lines.put(None)
+        node._output_closed.set()
 
     threading.Thread(target=pump, daemon=True).start()
     try:

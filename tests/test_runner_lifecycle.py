@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.nodes import RunningNode, start_node
@@ -137,3 +138,27 @@ def test_ctrl_c_stops_node_quickly(random_model_dir: Path, tmp_path: Path) -> No
     assert time.monotonic() - start < 2.5
     with pytest.raises(ProcessLookupError):
         os.kill(runner_pid, 0)
+
+
+def test_a_runner_whose_node_was_killed_mid_stream_exits_quietly(
+    random_model_dir: Path, tmp_path: Path
+) -> None:
+    """kill -9 of the node while its runner streams: the runner notices (its pipes close) and exits
+    at once, with one log line rather than a traceback, instead of computing for nobody."""
+    other = start_node(data_dir=tmp_path, model=str(random_model_dir))
+    runner = psutil.Process(other.runner_pid())
+    body = _body(other, max_tokens=1500, stream=True)
+    with httpx.stream("POST", f"{other.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += _has_content(line)
+            if chunks == 3:
+                before = len(other.log)
+                other.process.kill()
+                break
+    gone, _ = psutil.wait_procs([runner], timeout=10)
+    assert gone, "the runner outlived its node"
+    other.process.wait(5)
+    other.wait_output_closed(5)
+    after = "".join(other.log[before:])
+    assert "Traceback" not in after, after[-2000:]

@@ -51,8 +51,14 @@ class _Wire:
     def send(self, message: RunnerMessage) -> None:
         frame = encode_frame(message)
         with self._lock:
-            self._out.write(frame)
-            self._out.flush()
+            try:
+                self._out.write(frame)
+                self._out.flush()
+            except BrokenPipeError:
+                # The node is gone (killed: a clean stop closes our stdin first). Nobody can get our
+                # tokens any more: stop now, without a traceback or more work.
+                log.warning("the node closed the connection; exiting")
+                os._exit(0)
 
 
 class _Inbox:
