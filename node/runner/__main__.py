@@ -16,10 +16,11 @@ import queue
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from node.runner.engine import load_model
+from node.runner.engine import LoadedModel, load_model
 from node.runner.prefix_cache import PrefixCache
 from node.runner.scheduler import Scheduler
 from protocol.chat import GenerateRequest
@@ -118,6 +119,23 @@ def _take_requests(inbox: _Inbox, scheduler: Scheduler) -> bool:
         block = False
 
 
+def _start_serving(
+    wire: _Wire, loaded: LoadedModel
+) -> tuple[_Inbox, Callable[[RequestId, ChunkEvent], None]]:
+    """Once the model is loaded: read the node's commands, say Ready, and give the event sender
+    (which forgets a request after its last event)."""
+    inbox = _Inbox()
+
+    def emit(request_id: RequestId, event: ChunkEvent) -> None:
+        wire.send(RequestEvent(request_id=request_id, event=event))
+        if is_terminal(event):
+            inbox.forget(request_id)
+
+    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
+    wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
+    return inbox, emit
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m node.runner")
     parser.add_argument("--model-path", type=Path, required=True)
@@ -148,13 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("could not load %s", args.model_path)
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
         return 1
-    inbox = _Inbox()
-
-    def emit(request_id: RequestId, event: ChunkEvent) -> None:
-        wire.send(RequestEvent(request_id=request_id, event=event))
-        if is_terminal(event):
-            inbox.forget(request_id)
-
+    inbox, emit = _start_serving(wire, loaded)
     scheduler = Scheduler(
         loaded,
         emit=emit,
@@ -163,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent=args.max_concurrent,
         prefix_cache=PrefixCache(args.prefix_cache_tokens),
     )
-    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
-    wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
 
     while _take_requests(inbox, scheduler):
         scheduler.step()
@@ -188,15 +198,7 @@ def _pipeline_main(args: argparse.Namespace, wire: _Wire) -> int:
         log.exception("could not load the first stage of %s", args.model_path)
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
         return 1
-    inbox = _Inbox()
-
-    def emit(request_id: RequestId, event: ChunkEvent) -> None:
-        wire.send(RequestEvent(request_id=request_id, event=event))
-        if is_terminal(event):
-            inbox.forget(request_id)
-
-    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
-    wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
+    inbox, emit = _start_serving(wire, loaded)
     try:
         while (request := inbox.pending.get()) is not None:
             run_one(
