@@ -9,9 +9,16 @@ from __future__ import annotations
 from typing import TypeVar
 
 import cbor2
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 T = TypeVar("T")
+
+
+class WireMessage(BaseModel):
+    """Base of every wire's messages: immutable, and unknown fields are an error, not ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
 
 _UNDECODABLE = (cbor2.CBORDecodeError, ValidationError, ValueError, TypeError, OverflowError, RecursionError)
 

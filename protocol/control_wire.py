@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
-from protocol.cbor_messages import decode_cbor, encode_cbor
+from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.cluster_view import InstanceView
 from protocol.placement import ModelShape
 
@@ -20,11 +20,7 @@ CONTROL_PROTOCOL = "/shoal/control/1.0.0"
 MAX_CONTROL_BYTES = 1024 * 1024
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class PlaceInstance(_Message):
+class PlaceInstance(WireMessage):
     """Place `source` (served as `model`); `preview` computes the plan without writing it."""
 
     type: Literal["place"] = "place"
@@ -35,12 +31,12 @@ class PlaceInstance(_Message):
     preview: bool = False
 
 
-class DeleteInstance(_Message):
+class DeleteInstance(WireMessage):
     type: Literal["delete"] = "delete"
     instance_id: str
 
 
-class ControlAnswer(_Message):
+class ControlAnswer(WireMessage):
     """`status` follows HTTP: 200/201 done, 404 unknown instance, 409 not leader, 422 does not fit."""
 
     type: Literal["answer"] = "answer"
@@ -50,7 +46,7 @@ class ControlAnswer(_Message):
     stage_bytes: tuple[int, ...] = ()
 
 
-class StageAddress(_Message):
+class StageAddress(WireMessage):
     """Entry node -> a later stage's node: where does your stage [start, end) of the instance listen?"""
 
     type: Literal["stage_address"] = "stage_address"
@@ -61,7 +57,7 @@ class StageAddress(_Message):
     """Every stage's node, in order: a node whose record of the instance differs answers None."""
 
 
-class StageAddressAnswer(_Message):
+class StageAddressAnswer(WireMessage):
     """`address` is "host:port" once the stage process is ready, None while it is not (ask again)."""
 
     type: Literal["stage_address_answer"] = "stage_address_answer"

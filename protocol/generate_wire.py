@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
-from protocol.cbor_messages import T, decode_cbor, encode_cbor
+from protocol.cbor_messages import T, WireMessage, decode_cbor, encode_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
 
@@ -28,31 +28,27 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 conversation; events are small. A larger one is a protocol violation."""
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
 # Requester -> entry node.
-class Generate(_Message):
+class Generate(WireMessage):
     """Run this request on your local model; the first message of every channel."""
 
     type: Literal["generate"] = "generate"
     request: GenerateRequest
 
 
-class Cancel(_Message):
+class Cancel(WireMessage):
     """Stop the generation; the entry node keeps streaming until the runner's `Finish(cancelled)`."""
 
     type: Literal["cancel"] = "cancel"
 
 
 # Entry node -> requester.
-class Event(_Message):
+class Event(WireMessage):
     type: Literal["event"] = "event"
     event: ChunkEvent
 
 
-class KeepAlive(_Message):
+class KeepAlive(WireMessage):
     """Sent when the entry node has had nothing to send for a while (model loading, long prefill,
     slow decode), so that the requester can tell a slow node from a dead one."""
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import struct
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
-from protocol.cbor_messages import decode_cbor, encode_cbor
+from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
 from protocol.ids import RequestId
@@ -21,27 +21,23 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 _LENGTH = struct.Struct(">I")
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
 # Node -> runner.
-class Generate(_Message):
+class Generate(WireMessage):
     type: Literal["generate"] = "generate"
     request: GenerateRequest
 
 
-class Cancel(_Message):
+class Cancel(WireMessage):
     type: Literal["cancel"] = "cancel"
     request_id: RequestId
 
 
-class Shutdown(_Message):
+class Shutdown(WireMessage):
     type: Literal["shutdown"] = "shutdown"
 
 
 # Runner -> node.
-class Ready(_Message):
+class Ready(WireMessage):
     """The model is loaded; the runner accepts `Generate` from now on."""
 
     type: Literal["ready"] = "ready"
@@ -50,13 +46,13 @@ class Ready(_Message):
     pid: int
 
 
-class RequestEvent(_Message):
+class RequestEvent(WireMessage):
     type: Literal["event"] = "event"
     request_id: RequestId
     event: ChunkEvent
 
 
-class LoadFailed(_Message):
+class LoadFailed(WireMessage):
     """The model could not be loaded; the runner exits after sending this."""
 
     type: Literal["load_failed"] = "load_failed"
