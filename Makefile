@@ -6,30 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test lint typecheck pytest bench clean
 
-# The runner's fast CPU path (node/runner/fastpath.py): a tiny C shim that forwards MLX's float32
-# matmuls to the OpenBLAS of the scipy-openblas32 wheel. Linux only. Without a C compiler or the
-# wheel it is skipped with a message (and tried again next time); runners then use plain MLX.
-SHIM := $(VENV)/lib/shoal/libshoal_blas_shim.so
+# The native parts (native/: the kernels extension and the BLAS shim) are built by the package
+# install itself (setup.py), into node/native/; without a compiler it installs without them and
+# runners use plain MLX. So the install is redone when they change.
+NATIVE := setup.py $(wildcard native/*.c native/*.h native/CMakeLists.txt native/kernels/*)
 
-install: $(STAMP) $(SHIM)
+install: $(STAMP)
 	$(BIN)/shoal prepare
 
-$(SHIM): native/sgemm_shim.c native/rows_kernel.h $(STAMP)
-	@if [ "$$(uname -s)" != Linux ]; then \
-		echo "BLAS shim: not used on $$(uname -s); skipped"; \
-	elif ! command -v $(CC) >/dev/null 2>&1; then \
-		echo "BLAS shim: no C compiler ($(CC)); skipped, runners will use plain MLX"; \
-	elif ! OPENBLAS=$$($(BIN)/python -c 'import scipy_openblas32 as s; print(f"{s.get_lib_dir()}/lib{s.get_library()}.so")' 2>/dev/null); then \
-		echo "BLAS shim: scipy-openblas32 is not installed; skipped, runners will use plain MLX"; \
-	elif mkdir -p $(@D) && $(CC) -O2 -Wall -shared -fPIC -DSHOAL_OPENBLAS_DEFAULT="\"$$OPENBLAS\"" \
-			-o $@.tmp $< -ldl -lpthread && mv $@.tmp $@; then \
-		echo "BLAS shim: built $@"; \
-	else \
-		rm -f $@.tmp; echo "BLAS shim: build failed; skipped, runners will use plain MLX"; \
-	fi
-
-# Reinstall only when the project's requirements change.
-$(STAMP): pyproject.toml
+# Reinstall only when the requirements or the native sources change.
+$(STAMP): pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'

@@ -1,23 +1,28 @@
-"""Load-time weight dtype policy: run the weights in the dtype that is fastest on the device.
+"""Load-time weight policy: keep weights as stored where Shoal's kernels read them fast.
 
-On the CPU that is float32: MLX's float32 matmuls go to BLAS (an optimized OpenBLAS on the fast
-path, see `node.runner.fastpath`), while its bfloat16, float16 and quantized CPU kernels are
-single-threaded and 10-50x slower here (a 4-bit model with bf16 scales decodes at ~0.3 tok/s on a
-Qwen3-0.6B shape). So on the CPU, when memory allows, bf16/fp16 parameters are converted to
-float32 and quantized layers (`QuantizedLinear`, `QuantizedEmbedding`, mlx-lm's
-`QuantizedSwitchLinear`) are dequantized to their float32 dense equivalents. On a GPU (Metal,
-CUDA) the weights stay as stored: there the quantized and half-precision kernels are the fast ones.
+On the CPU, MLX's own bfloat16, float16 and quantized kernels are single-threaded and scalar
+(a 4-bit Qwen3-0.6B shape decodes at ~0.3 tok/s here). So:
 
-The model must come from `mlx_lm.load(..., lazy=True)`: nothing is read from disk until this
-module evaluates it, one layer at a time, so the peak is about the float32 size, not stored plus
-float32. It always ends with every parameter evaluated. It logs one line saying what it chose
-and why, and never raises for a policy reason (a model that cannot be converted stays as stored).
+1. With the native kernels (`node.native`, built at install), affine 4/8-bit layers and 16-bit
+   Linear/Embedding layers stay as stored and multiply on the kernels (`node.runner.kernels`):
+   memory is the stored size and decode reads the stored bytes. What the kernels cannot hold
+   (other bit widths, mixture-of-experts layers) is dequantized to float32 when memory allows,
+   and small float parameters (norms, biases) become float32, the activations' dtype.
+2. Without them (not built, `--no-fast-path`, SHOAL_KERNELS=0), as before: bf16/fp16 parameters
+   become float32 and quantized layers their float32 dense equivalents, whose matmuls go to
+   OpenBLAS through the BLAS shim (`node.runner.fastpath`), when memory allows.
+
+On a GPU (Metal, CUDA) the weights stay as stored: there MLX's own kernels are the fast ones.
+The model must come from `mlx_lm.load(..., lazy=True)`, so that conversion reads each weight
+once. It always ends with every parameter evaluated, logs one line saying what it chose and why,
+and never raises for a policy reason.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -26,6 +31,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from node.native import KernelLoad, load_kernels
+from node.runner.kernels import (
+    KernelHalfEmbedding,
+    KernelHalfLinear,
+    KernelQuantizedEmbedding,
+    KernelQuantizedLinear,
+    kernel_layer,
+)
+
 log = logging.getLogger("shoal.runner")
 
 HEADROOM_FRACTION = 0.2
@@ -33,6 +47,8 @@ HEADROOM_FRACTION = 0.2
 the model (Qwen3-0.6B's float32 KV cache for 4096 tokens is ~0.9 GB, 40% of its weights)."""
 HEADROOM_MIN_BYTES = 512 * 1024**2
 """Kept free at least: the Python runtime, tokenizer and MLX's buffers."""
+
+KERNEL_LAYERS = (KernelQuantizedLinear, KernelHalfLinear, KernelQuantizedEmbedding, KernelHalfEmbedding)
 
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP_MEMORY = Path("/sys/fs/cgroup")
@@ -45,6 +61,8 @@ class DtypeDecision:
     """What the checkpoint holds, e.g. "bfloat16", "4-bit affine + bfloat16", "float32"."""
     message: str
     """The log line."""
+    kernels: bool = False
+    """Whether the big weights stay as stored on Shoal's CPU kernels."""
 
 
 def available_memory_bytes(meminfo: Path = _MEMINFO, cgroup: Path = _CGROUP_MEMORY) -> int | None:
@@ -100,16 +118,19 @@ def _plain_parameters(model: nn.Module, quantized: list[tuple[str, Any]]) -> lis
     return [v for k, v in _flat(model) if k not in inside and _is_float(v)]
 
 
+def _dense_bytes(module: Any) -> int:
+    """Bytes of one quantized module once dequantized to float32."""
+    size = 1
+    for dim in _dense_weight_shape(module):
+        size *= dim
+    bias = module.get("bias")
+    return size * 4 + (bias.size * 4 if bias is not None else 0)
+
+
 def _float_bytes(model: nn.Module, quantized: list[tuple[str, Any]]) -> int:
     """Bytes of the model's weights once every float and quantized parameter is float32."""
-    total = sum(value.size * 4 for value in _plain_parameters(model, quantized))
-    for _, module in quantized:
-        size = 1
-        for dim in _dense_weight_shape(module):
-            size *= dim
-        bias = module.get("bias")
-        total += size * 4 + (bias.size * 4 if bias is not None else 0)
-    return total
+    plain = sum(value.size * 4 for value in _plain_parameters(model, quantized))
+    return plain + sum(_dense_bytes(module) for _, module in quantized)
 
 
 def _describe(model: nn.Module, quantized: list[tuple[str, Any]]) -> str:
@@ -168,30 +189,94 @@ def _to_float32(model: nn.Module, quantized: list[tuple[str, Any]]) -> None:
     model.set_dtype(mx.float32)  # anything held outside a module's own attributes (no-op otherwise)
 
 
-def apply_dtype_policy(
-    model: nn.Module, *, device: mx.Device | None = None, available: int | None = None
-) -> DtypeDecision:
-    """Convert `model` (loaded lazily) for `device` (default: MLX's), evaluate it, log the choice.
+def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when the user turned the fast path off (`--no-fast-path` sets SHOAL_FAST_PATH=0)."""
+    environ = os.environ if environ is None else environ
+    off = ("0", "off", "no", "false")
+    return all(
+        environ.get(name, "1").strip().lower() not in off for name in ("SHOAL_FAST_PATH", "SHOAL_KERNELS")
+    )
 
-    `available` is the free memory in bytes (default: measured; if unknown, convert).
+
+def apply_dtype_policy(
+    model: nn.Module,
+    *,
+    device: mx.Device | None = None,
+    available: int | None = None,
+    kernels: KernelLoad | None = None,
+) -> DtypeDecision:
+    """Prepare `model` (loaded lazily) for `device` (default: MLX's), evaluate it, log the choice.
+
+    `available` is the free memory in bytes (default: measured; if unknown, convert). `kernels`
+    is the native kernels' load result (default: `load_kernels()` unless turned off).
     """
     device = mx.default_device() if device is None else device
     quantized = [(name, m) for name, m in model.named_modules() if isinstance(m, _quantized_classes())]
     stored = _describe(model, quantized)
-    decision = _decide(model, quantized, stored, device, available)
-    if decision.converted:
-        _to_float32(model, quantized)
+    if device.type != mx.DeviceType.cpu:
+        message = f"weights: {stored} as stored (on the GPU the stored dtype is fastest)"
+        decision = DtypeDecision(False, stored, message)
+    else:
+        if kernels is None:
+            kernels = load_kernels() if kernels_enabled() else KernelLoad(None, "turned off by configuration")
+        if kernels.module is not None and stored != "float32":
+            decision = _keep_as_stored(model, kernels, stored, available)
+        else:
+            decision = _decide(model, quantized, stored, available, kernels.reason)
+            if decision.converted:
+                _to_float32(model, quantized)
     mx.eval(model.parameters())
     log.info("%s", decision.message)
     return decision
 
 
-def _decide(
-    model: nn.Module, quantized: list[tuple[str, Any]], stored: str, device: mx.Device, available: int | None
+def _keep_as_stored(
+    model: nn.Module, kernels: KernelLoad, stored: str, available: int | None
 ) -> DtypeDecision:
-    if device.type != mx.DeviceType.cpu:
-        message = f"weights: {stored} as stored (on the GPU the stored dtype is fastest)"
-        return DtypeDecision(False, stored, message)
+    """Swap in the kernel layers; what they cannot hold goes to float32 as before."""
+    assert kernels.module is not None
+    swapped = []
+    for name, module in model.named_modules():
+        if (layer := kernel_layer(kernels.module, module)) is not None:
+            swapped.append((name, layer))
+    if swapped:
+        model.update_modules(tree_unflatten(swapped))
+    rest = [(name, m) for name, m in model.named_modules() if isinstance(m, _quantized_classes())]
+    need = sum(_dense_bytes(m) for _, m in rest)
+    free = available_memory_bytes() if available is None else available
+    note = ""
+    if rest and free is not None and need + HEADROOM_MIN_BYTES > free:
+        note = f"; {len(rest)} other quantized layers stay on MLX's slow kernels (no memory for float32)"
+        rest = []
+    elif rest:
+        note = f"; {len(rest)} quantized layers the kernels cannot hold dequantized to float32"
+    for name, module in rest:
+        model.update_modules(tree_unflatten([(name, _dequantized(module))]))
+    _small_to_float32(model)
+    held = sum(v.nbytes for _, layer in swapped for _, v in _flat(layer))
+    return DtypeDecision(
+        False,
+        stored,
+        f"weights: {stored} kept as stored in {len(swapped)} layers on Shoal's CPU kernels "
+        f"({kernels.reason}; {held / 1e9:.2f} GB){note}",
+        kernels=True,
+    )
+
+
+def _small_to_float32(model: nn.Module) -> None:
+    """Float parameters outside the kernel layers (norms, biases) to float32: the activations' dtype."""
+    for _, module in model.named_modules():
+        if isinstance(module, KERNEL_LAYERS):
+            continue
+        own = {k: v for k, v in module.items() if isinstance(v, mx.array)}
+        if changed := {k: v.astype(mx.float32) for k, v in own.items() if _is_float(v)}:
+            module.update(changed)
+            mx.eval(list(changed.values()))
+
+
+def _decide(
+    model: nn.Module, quantized: list[tuple[str, Any]], stored: str, available: int | None, no_kernels: str
+) -> DtypeDecision:
     if stored == "float32":
         return DtypeDecision(False, stored, "weights: float32 as stored (the fastest dtype on the CPU)")
     need = _float_bytes(model, quantized)
@@ -202,7 +287,7 @@ def _decide(
         return DtypeDecision(
             False,
             stored,
-            f"weights: {stored} as stored, NOT converted to float32 (the fastest dtype on the CPU): "
+            f"weights: {stored} as stored, NOT converted to float32 ({no_kernels}): "
             f"float32 needs {need / gb:.1f} GB + {headroom / gb:.1f} GB headroom, only "
             f"{free / gb:.1f} GB available; expect slow CPU kernels",
         )
@@ -211,6 +296,5 @@ def _decide(
     return DtypeDecision(
         True,
         stored,
-        f"weights: float32, {action} at load from {stored} (float32 is the fastest dtype on the CPU; "
-        f"{need / gb:.2f} GB, {memory})",
+        f"weights: float32, {action} at load from {stored} ({no_kernels}; {need / gb:.2f} GB, {memory})",
     )

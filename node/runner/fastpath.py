@@ -1,7 +1,7 @@
 """The runner's fast CPU path: MLX's float32 matmuls on an optimized OpenBLAS, threads to fit.
 
 The mlx-cpu wheel sends float32 matmuls to a bundled reference BLAS (~2-3 GFLOP/s here). The shim
-`native/sgemm_shim.c`, built by `make install` into `<venv>/lib/shoal/`, exports `cblas_sgemm`:
+`native/sgemm_shim.c`, built with the package into `node/native/`, exports `cblas_sgemm`:
 matrix products go to the OpenBLAS of the PyPI wheel `scipy-openblas32` (~100 GFLOP/s per core),
 decode's matrix-vector products to a dot-product kernel of its own that reads weights at the full
 memory bandwidth, both split over a pool of SHOAL_BLAS_THREADS threads. The node puts the shim in
@@ -35,11 +35,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node.native import SHIM_PATH
+
 log = logging.getLogger("shoal.runner")
 
-SHIM_NAME = "libshoal_blas_shim.so"
-DEFAULT_SHIM = Path(sys.prefix) / "lib" / "shoal" / SHIM_NAME
-"""Where `make install` builds the shim: inside the virtual environment the node runs from."""
+DEFAULT_SHIM = SHIM_PATH
+"""Where the package build (`setup.py`, so `pip install` and `make install`) puts the shim."""
 
 _CPU_SYSFS = Path("/sys/devices/system/cpu")
 _CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -117,11 +118,12 @@ def decide(environ: Mapping[str, str] | None = None, *, enabled: bool = True) ->
     """What the runner's environment gets; pure apart from reading the machine. Never raises."""
     environ = os.environ if environ is None else environ
 
-    def off(reason: str) -> FastPath:
-        return FastPath(False, f"fast CPU path off: {reason}; using plain MLX")
+    def off(reason: str, env: dict[str, str] | None = None) -> FastPath:
+        return FastPath(False, f"fast CPU path off: {reason}; using plain MLX", env or {})
 
     if not enabled or environ.get("SHOAL_FAST_PATH", "1").strip().lower() in ("0", "off", "no", "false"):
-        return off("disabled by configuration")
+        # The runner's kernels for stored weights are part of the fast path: off too.
+        return off("disabled by configuration", {"SHOAL_KERNELS": "0"})
     if sys.platform != "linux":
         return off(f"only built for Linux (this is {sys.platform})")
     try:
@@ -131,7 +133,7 @@ def decide(environ: Mapping[str, str] | None = None, *, enabled: bool = True) ->
         return off(f"cannot ask MLX for its default device ({type(exc).__name__}: {exc})")
     shim = Path(environ.get("SHOAL_BLAS_SHIM") or DEFAULT_SHIM)
     if not shim.is_file():
-        return off(f"the BLAS shim {shim} is not built (`make install` builds it when a C compiler exists)")
+        return off(f"the BLAS shim {shim} is not built (installing the package builds it with a C compiler)")
     openblas = _openblas_library()
     if openblas is None:
         return off("the scipy-openblas32 wheel is not installed")

@@ -1,0 +1,247 @@
+// AVX2 + FMA + F16C kernels. This file alone is compiled with -mavx2 -mfma -mf16c; the library
+// calls into it only when the CPU says it has all three (__builtin_cpu_supports at run time).
+//
+// Small-batch affine products: each 32-weight chunk is unpacked once to int16 and multiplied
+// with the int16 activations of every row of x by `vpmaddwd` (16 products a step); the int32
+// sums of a group are scaled once per group. Each output element is computed the same way
+// whatever the number of rows, so a sequence gives the same bits alone or in a batch.
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+namespace shoal {
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+inline float bf16_scalar(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// `count` scale values starting at index `at` as floats.
+void to_floats(const void* p, ScaleType t, long at, int count, float* out) {
+  if (t == ScaleType::F32) {
+    std::memcpy(out, static_cast<const float*>(p) + at, sizeof(float) * count);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(p) + at;
+  int i = 0;
+  for (; i + 8 <= count; i += 8) {
+    __m256 v = t == ScaleType::F16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)))
+                                   : load_bf16x8(h + i);
+    _mm256_storeu_ps(out + i, v);
+  }
+  for (; i < count; i++) out[i] = t == ScaleType::F16 ? _cvtsh_ss(h[i]) : bf16_scalar(h[i]);
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum(acc);
+  for (; i < n; i++) sum += a[i] * b[i];
+  return sum;
+}
+
+// One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations.
+template <int BITS, int MB>
+inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, const float* s,
+                       const float* b, float* sx, float* y, long ldy, int n, int m0) {
+  const int K = w.K, groups = a.groups, per_group = w.group_size / 32;
+  constexpr int chunk_bytes = 32 * BITS / 8;
+  for (int m = 0; m < MB; m++) {
+    const float* xs = a.xscale + static_cast<long>(m0 + m) * groups;
+    int g = 0;
+    for (; g + 8 <= groups; g += 8)
+      _mm256_storeu_ps(sx + m * groups + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g)));
+    for (; g < groups; g++) sx[m * groups + g] = s[g] * xs[g];
+  }
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; g++) {
+    __m256i isum[MB];
+    for (int m = 0; m < MB; m++) isum[m] = _mm256_setzero_si256();
+    for (int c = 0; c < per_group; c++) {
+      const int chunk = g * per_group + c;
+      __m256i lo, hi;
+      if constexpr (BITS == 4) {
+        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + chunk * chunk_bytes));
+        lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+        hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+      } else {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + chunk * chunk_bytes));
+        lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+        hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+      }
+      for (int m = 0; m < MB; m++) {
+        const __m256i* xq = reinterpret_cast<const __m256i*>(a.xq + static_cast<long>(m0 + m) * K + chunk * 32);
+        __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(xq)),
+                                     _mm256_madd_epi16(hi, _mm256_loadu_si256(xq + 1)));
+        isum[m] = _mm256_add_epi32(isum[m], p);
+      }
+    }
+    for (int m = 0; m < MB; m++)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_broadcast_ss(sx + m * groups + g), acc[m]);
+  }
+  for (int m = 0; m < MB; m++)
+    y[(m0 + m) * ldy + n] = hsum(acc[m]) + dot(b, a.xsum + static_cast<long>(m0 + m) * groups, groups);
+}
+
+// One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).
+template <bool BF, int MB>
+inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
+  const int K = w.K;
+  __m256 acc0[MB], acc1[MB];
+  for (int m = 0; m < MB; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  auto load = [&](int k) {
+    return BF ? load_bf16x8(row + k) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+  };
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m256 w0 = load(k), w1 = load(k + 8);
+    for (int m = 0; m < MB; m++) {
+      const float* x = a.x + static_cast<long>(m0 + m) * K + k;
+      acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc1[m]);
+    }
+  }
+  for (int m = 0; m < MB; m++) {
+    const float* x = a.x + static_cast<long>(m0 + m) * K;
+    float sum = hsum(_mm256_add_ps(acc0[m], acc1[m]));
+    for (int j = k; j < K; j++) sum += x[j] * (BF ? bf16_scalar(row[j]) : _cvtsh_ss(row[j]));
+    y[(m0 + m) * ldy + n] = sum;
+  }
+}
+
+// Rows of x in blocks of at most 4 per pass over a weight row (more would spill registers; the
+// row is still in L1 for the second pass).
+template <int MB>
+void row_block(const Weights& w, const Acts& a, const uint8_t* row, const float* s, const float* b,
+               float* sx, float* y, long ldy, int n, int m0) {
+  switch (w.format) {
+    case Format::Affine4:
+      affine_row<4, MB>(w, a, row, s, b, sx, y, ldy, n, m0);
+      break;
+    case Format::Affine8:
+      affine_row<8, MB>(w, a, row, s, b, sx, y, ldy, n, m0);
+      break;
+    case Format::F16:
+      half_row<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
+      break;
+    case Format::BF16:
+      half_row<true, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
+      break;
+  }
+}
+
+void avx2_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
+  const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;
+  const int groups = affine ? a.groups : 0;
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(2 + 4) * groups + 8);
+  float *s = buffer.data(), *b = s + groups, *sx = b + groups;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
+    if (affine) {
+      to_floats(w.scales, w.scale_type, static_cast<long>(n) * groups, groups, s);
+      to_floats(w.biases, w.scale_type, static_cast<long>(n) * groups, groups, b);
+    }
+    for (int m0 = 0; m0 < a.M; m0 += 4) {
+      switch (a.M - m0 < 4 ? a.M - m0 : 4) {
+        case 1:
+          row_block<1>(w, a, row, s, b, sx, y, ldy, n, m0);
+          break;
+        case 2:
+          row_block<2>(w, a, row, s, b, sx, y, ldy, n, m0);
+          break;
+        case 3:
+          row_block<3>(w, a, row, s, b, sx, y, ldy, n, m0);
+          break;
+        default:
+          row_block<4>(w, a, row, s, b, sx, y, ldy, n, m0);
+      }
+    }
+  }
+}
+
+void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
+  const int K = w.K;
+  const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;
+  const int groups = affine ? K / w.group_size : 0;
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(2) * groups + 8);
+  float *s = buffer.data(), *b = s + groups;
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
+    float* o = out + static_cast<long>(n - n0) * K;
+    if (!affine) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+      for (int k = 0; k < K; k += 8) {  // K is a multiple of 8 (checked by the caller)
+        __m256 v = w.format == Format::BF16 ? load_bf16x8(h + k)
+                                            : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k)));
+        _mm256_storeu_ps(o + k, v);
+      }
+      continue;
+    }
+    to_floats(w.scales, w.scale_type, static_cast<long>(n) * groups, groups, s);
+    to_floats(w.biases, w.scale_type, static_cast<long>(n) * groups, groups, b);
+    for (int k = 0; k < K; k += 32) {  // 32 weights at a time, in element order
+      const int g = k / w.group_size;
+      const __m256 sv = _mm256_set1_ps(s[g]), bv = _mm256_set1_ps(b[g]);
+      __m128i bytes[2];
+      if (w.format == Format::Affine4) {
+        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+        __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        bytes[0] = _mm_unpacklo_epi8(lo, hi);
+        bytes[1] = _mm_unpackhi_epi8(lo, hi);
+      } else {
+        bytes[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+        bytes[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
+      }
+      for (int half = 0; half < 2; half++) {
+        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes[half]));
+        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes[half], 8)));
+        _mm256_storeu_ps(o + k + half * 16, _mm256_fmadd_ps(q0, sv, bv));
+        _mm256_storeu_ps(o + k + half * 16 + 8, _mm256_fmadd_ps(q1, sv, bv));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const Kernels* avx2_kernels() {
+  static const Kernels kernels{"avx2", avx2_rows, avx2_dequant};
+  return &kernels;
+}
+
+}  // namespace shoal
+
+#else
+
+namespace shoal {
+const Kernels* avx2_kernels() { return nullptr; }
+}  // namespace shoal
+
+#endif

@@ -1,0 +1,65 @@
+// The weight layouts the kernels read as stored, and the kernel table chosen at run time.
+//
+// Layouts (all row-major, one row per output feature, as nn.Linear and MLX store them):
+// - Affine4 / Affine8: MLX's affine quantization. A row of K weights packs 32/bits values per
+//   little-endian uint32 word, element i at bit (i * bits) % 32 (so for 4 bits byte b holds
+//   elements 2b in its low and 2b+1 in its high nibble). Each group of `group_size` (32, 64, 128)
+//   consecutive weights has a scale s and a bias b: w = s * q + b. Scales and biases are float32,
+//   float16 or bfloat16, N x K / group_size.
+// - F16 / BF16: plain 16-bit weights.
+//
+// Products are y[m, n] = sum_k x[m, k] * w[n, k] for M rows of x (float32).
+#pragma once
+
+#include <cstdint>
+
+namespace shoal {
+
+enum class Format { Affine4, Affine8, F16, BF16 };
+enum class ScaleType { F32, F16, BF16 };
+
+struct Weights {
+  Format format;
+  const uint8_t* data;
+  long row_bytes;
+  const void* scales;  // affine only
+  const void* biases;  // affine only
+  ScaleType scale_type;
+  int group_size;  // affine only
+  int N, K;
+};
+
+// Activations as the small-batch affine kernels read them: x quantized to int16 per weight group
+// (the int16 x 4/8-bit products run on integer multiply-adds at twice the rate of float FMAs,
+// and an int16 grid keeps the relative error near 1e-5, far below the weights' own).
+struct Acts {
+  int M, K, groups;
+  const float* x;       // M x K, row-major
+  const int16_t* xq;    // M x K; for Affine4 each 32-value chunk is its 16 even then 16 odd values
+  const float* xscale;  // M x groups: x = xq * xscale within a group
+  const float* xsum;    // M x groups: the sum of x over the group (exact floats)
+};
+
+// Rows [n0, n1) of the product into y[m * ldy + n].
+using RowsFn = void (*)(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1);
+// Rows [n0, n1) of w as float32, row after row (n1 - n0) x K: the prefill path feeds them to sgemm.
+using DequantFn = void (*)(const Weights& w, int n0, int n1, float* out);
+
+struct Kernels {
+  const char* name;
+  RowsFn rows;
+  DequantFn dequant;
+};
+
+constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles
+
+const Kernels& portable_kernels();
+// The AVX2+FMA+F16C kernels, or nullptr when this build or CPU has none.
+const Kernels* avx2_kernels();
+
+// Scales and biases of row n as floats (shared by every kernel).
+void row_scales(const Weights& w, int n, float* scales, float* biases);
+// Fill a.xq / xscale / xsum from a.x for this layout (the buffers are the caller's).
+void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
+
+}  // namespace shoal

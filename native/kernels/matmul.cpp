@@ -1,0 +1,235 @@
+// The MLX operation and its CPU evaluation: choose the layout, prepare the activations once, and
+// split the product over the pool.
+//
+// - x with up to kMaxRows rows (decode, small batches): the `rows` kernel, output rows split over
+//   the threads; every weight byte is read once per product.
+// - more rows (prefill): tiles of weight rows dequantized to float32 in a per-thread buffer, each
+//   multiplied by a single-threaded OpenBLAS sgemm. Dequantizing costs K floats per weight row,
+//   the sgemm 2 * M * K flops, so for M > 8 the tile is nearly free and the speed is sgemm's.
+//   Without a BLAS library the rows kernel runs over x in blocks of kMaxRows rows instead.
+#include "matmul.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
+
+namespace shoal {
+
+namespace {
+
+enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                         float*, int);
+SgemmFn sgemm = nullptr;
+
+constexpr long kTileBytes = 2l << 20;  // a dequantized tile: 2 MB, within L2 + L3 of small CPUs
+constexpr long kParallelMinBytes = 64l << 10;  // below 64 KB of weights one thread beats waking more
+constexpr int kTasksPerThread = 4;  // small enough that a preempted thread delays little
+
+Format format_of(mx::Dtype dtype, int bits) {
+  if (dtype == mx::uint32 && bits == 4) return Format::Affine4;
+  if (dtype == mx::uint32 && bits == 8) return Format::Affine8;
+  if (dtype == mx::float16) return Format::F16;
+  if (dtype == mx::bfloat16) return Format::BF16;
+  throw std::invalid_argument("[shoal_matmul] weights must be uint32 (4 or 8 bits), float16 or bfloat16");
+}
+
+ScaleType scale_type_of(mx::Dtype dtype) {
+  if (dtype == mx::float32) return ScaleType::F32;
+  if (dtype == mx::float16) return ScaleType::F16;
+  if (dtype == mx::bfloat16) return ScaleType::BF16;
+  throw std::invalid_argument("[shoal_matmul] scales and biases must be float32, float16 or bfloat16");
+}
+
+bool is_affine(Format f) { return f == Format::Affine4 || f == Format::Affine8; }
+
+int bits_of(Format f) { return f == Format::Affine4 ? 4 : (f == Format::Affine8 ? 8 : 16); }
+
+// Rows of output per task: a multiple of 8 (a cache line of y per row of x), at least 16.
+int task_rows(int N, int threads) {
+  int per = (N + threads * kTasksPerThread - 1) / (threads * kTasksPerThread);
+  per = std::max(16, (per + 7) / 8 * 8);
+  return per;
+}
+
+void small_product(const Weights& w, const float* x, int M, float* y) {
+  const Kernels& k = active_kernels();
+  Pool& pool = Pool::instance();
+  const int groups = is_affine(w.format) ? w.K / w.group_size : 0;
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xscale, xsum;
+  for (int m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int rows = std::min(kMaxRows, M - m0);
+    const float* xb = x + static_cast<long>(m0) * w.K;
+    Acts a{rows, w.K, groups, xb, nullptr, nullptr, nullptr};
+    if (groups) {
+      xq.resize(static_cast<size_t>(rows) * w.K);
+      xscale.resize(static_cast<size_t>(rows) * groups);
+      xsum.resize(static_cast<size_t>(rows) * groups);
+      prepare_acts(w, xb, rows, xq.data(), xscale.data(), xsum.data());
+      a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
+    }
+    float* yb = y + static_cast<long>(m0) * w.N;
+    const bool parallel = static_cast<long>(w.N) * w.row_bytes >= kParallelMinBytes && pool.threads() > 1;
+    const int per = parallel ? task_rows(w.N, pool.threads()) : w.N;
+    const int tasks = (w.N + per - 1) / per;
+    pool.run(tasks, [&](int t) { k.rows(w, a, yb, w.N, t * per, std::min(w.N, (t + 1) * per)); });
+  }
+}
+
+void tiled_product(const Weights& w, const float* x, int M, float* y) {
+  const Kernels& k = active_kernels();
+  Pool& pool = Pool::instance();
+  int tile = static_cast<int>(std::clamp<long>(kTileBytes / (4l * w.K), 16, 512)) / 16 * 16;
+  const int spread = (w.N + 2 * pool.threads() - 1) / (2 * pool.threads());  // >= 2 tiles a thread
+  tile = std::max(16, std::min(tile, (spread + 15) / 16 * 16));
+  const int tasks = (w.N + tile - 1) / tile;
+  pool.run(tasks, [&](int t) {
+    thread_local std::vector<float> buffer;
+    const int n0 = t * tile, n1 = std::min(w.N, n0 + tile);
+    buffer.resize(static_cast<size_t>(n1 - n0) * w.K);
+    k.dequant(w, n0, n1, buffer.data());
+    sgemm(kRowMajor, kNoTrans, kTrans, M, n1 - n0, w.K, 1.0f, x, w.K, buffer.data(), w.K, 0.0f, y + n0, w.N);
+  });
+}
+
+// x as a row-major float buffer: its own data when it already is, else a strided copy.
+const float* row_major(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  copy.resize(x.size());
+  const float* src = x.data<float>();
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  std::vector<int> index(shape.size(), 0);
+  for (size_t i = 0; i < x.size(); i++) {
+    long at = 0;
+    for (size_t d = 0; d < shape.size(); d++) at += static_cast<long>(index[d]) * strides[d];
+    copy[i] = src[at];
+    for (int d = static_cast<int>(shape.size()) - 1; d >= 0 && ++index[d] == shape[d]; d--) index[d] = 0;
+  }
+  return copy.data();
+}
+
+}  // namespace
+
+const Kernels& active_kernels() {
+  static const Kernels* chosen = [] {
+    const char* isa = std::getenv("SHOAL_KERNEL_ISA");
+    bool portable = isa && std::strcmp(isa, "portable") == 0;
+#if defined(__x86_64__)
+    if (!portable && avx2_kernels() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return avx2_kernels();
+#endif
+    (void)portable;
+    return &portable_kernels();
+  }();
+  return *chosen;
+}
+
+bool has_blas() { return sgemm != nullptr; }
+
+int pool_threads() { return Pool::instance().threads(); }
+
+std::string set_blas_library(const std::string& path) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) return std::string("cannot open ") + path + ": " + dlerror();
+  auto fn = reinterpret_cast<SgemmFn>(dlsym(lib, "scipy_cblas_sgemm"));
+  if (!fn) fn = reinterpret_cast<SgemmFn>(dlsym(lib, "cblas_sgemm"));
+  if (!fn) return path + " has no cblas_sgemm";
+  // Our pool does the threading; each sgemm call runs on the thread that makes it.
+  using SetThreads = void (*)(int);
+  for (const char* name : {"scipy_openblas_set_num_threads", "openblas_set_num_threads"}) {
+    if (auto set = reinterpret_cast<SetThreads>(dlsym(lib, name))) {
+      set(1);
+      break;
+    }
+  }
+  sgemm = fn;
+  return "";
+}
+
+mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
+                        const std::optional<mx::array>& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  Format format = format_of(w.dtype(), bits);
+  if (w.ndim() != 2) throw std::invalid_argument("[shoal_matmul] w must be 2-D");
+  if (x.ndim() < 1) throw std::invalid_argument("[shoal_matmul] x must have at least one dimension");
+  const int N = w.shape(0);
+  const int K = is_affine(format) ? w.shape(1) * 32 / bits : w.shape(1);
+  if (x.shape(-1) != K)
+    throw std::invalid_argument("[shoal_matmul] x has " + std::to_string(x.shape(-1)) + " features, w " +
+                                std::to_string(K));
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), w};
+  if (is_affine(format)) {
+    if (!scales || !biases) throw std::invalid_argument("[shoal_matmul] affine weights need scales and biases");
+    if (group_size != 32 && group_size != 64 && group_size != 128)
+      throw std::invalid_argument("[shoal_matmul] group size must be 32, 64 or 128");
+    const int groups = K / group_size;
+    if (scales->shape() != mx::Shape{N, groups} || biases->shape() != scales->shape() ||
+        biases->dtype() != scales->dtype())
+      throw std::invalid_argument("[shoal_matmul] scales and biases must both be [N, K / group_size], one dtype");
+    scale_type_of(scales->dtype());
+    inputs.push_back(*scales);
+    inputs.push_back(*biases);
+  } else if (K % 8 != 0) {
+    throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
+  }
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = N;
+  auto primitive = std::make_shared<WeightMatmul>(mx::to_stream(s), format, is_affine(format) ? group_size : 0);
+  return mx::array(out_shape, mx::float32, primitive, std::move(inputs));
+}
+
+void WeightMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& x = inputs[0];
+  const mx::array& w = inputs[1];
+  mx::array& out = outputs[0];
+  for (size_t i = 1; i < inputs.size(); i++)
+    if (!inputs[i].flags().row_contiguous)
+      throw std::invalid_argument("[shoal_matmul] weights, scales and biases must be row-contiguous");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const int N = w.shape(0), K = x.shape(-1), M = static_cast<int>(x.size() / K);
+  Weights weights{format_, w.data<uint8_t>(), static_cast<long>(K) * bits_of(format_) / 8, nullptr, nullptr,
+                  ScaleType::F32, group_size_, N, K};
+  if (is_affine(format_)) {
+    weights.scales = inputs[2].data<void>();
+    weights.biases = inputs[3].data<void>();
+    weights.scale_type = scale_type_of(inputs[2].dtype());
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  encoder.dispatch([weights, x = mx::array::unsafe_weak_copy(x), y = out.data<float>(), M]() {
+    thread_local std::vector<float> copy;
+    const float* xs = row_major(x, copy);
+    if (M > kMaxRows && sgemm) {
+      tiled_product(weights, xs, M, y);
+    } else {
+      small_product(weights, xs, M, y);
+    }
+  });
+}
+
+void WeightMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[shoal_matmul] has no GPU implementation: on a GPU MLX's own kernels are used");
+}
+
+bool WeightMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const WeightMatmul&>(other);
+  return format_ == o.format_ && group_size_ == o.group_size_;
+}
+
+std::vector<mx::Shape> WeightMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+}  // namespace shoal

@@ -1,0 +1,47 @@
+// `shoal_matmul`: x @ W.T for weights kept as stored (MLX affine 4/8-bit, float16, bfloat16), as a
+// real MLX operation (a Primitive evaluated on the CPU stream, lazy like any other op).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "kernels.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace shoal {
+
+namespace mx = mlx::core;
+
+class WeightMatmul : public mx::Primitive {
+ public:
+  WeightMatmul(mx::Stream stream, Format format, int group_size)
+      : mx::Primitive(stream), format_(format), group_size_(group_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "ShoalWeightMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  Format format_;
+  int group_size_;
+};
+
+// y = x @ dequantize(w, scales, biases).T (affine) or x @ w.T (16-bit w, scales/biases absent).
+// x: float32 [..., K]; w: uint32 [N, K * bits / 32] or float16/bfloat16 [N, K]. Returns float32.
+mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
+                        const std::optional<mx::array>& biases, int group_size, int bits,
+                        mx::StreamOrDevice s = {});
+
+// Load the sgemm the prefill path uses (an OpenBLAS: `scipy_cblas_sgemm` or `cblas_sgemm`).
+// Returns an empty string on success, else why not (the prefill path then uses `rows`).
+std::string set_blas_library(const std::string& path);
+
+// The kernel set in use ("avx2" or "portable"); SHOAL_KERNEL_ISA=portable forces the portable one.
+const Kernels& active_kernels();
+bool has_blas();
+int pool_threads();
+
+}  // namespace shoal

@@ -1,0 +1,144 @@
+// The portable kernels: plain C++ for every CPU (aarch64, x86 without AVX2), and the helpers the
+// vector kernels share. They compute in float32 straight from x, so they double as a readable
+// statement of what each layout means.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace shoal {
+
+namespace {
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float bf16_to_float(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float scale_at(const void* p, ScaleType t, long i) {
+  switch (t) {
+    case ScaleType::F32:
+      return static_cast<const float*>(p)[i];
+    case ScaleType::F16:
+      return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ScaleType::BF16:
+      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+
+// Weight k of row n as a float.
+inline float weight_at(const Weights& w, const uint8_t* row, const float* s, const float* b, int k) {
+  switch (w.format) {
+    case Format::Affine4: {
+      int q = (row[k / 2] >> ((k & 1) * 4)) & 0x0f;
+      return s[k / w.group_size] * q + b[k / w.group_size];
+    }
+    case Format::Affine8:
+      return s[k / w.group_size] * row[k] + b[k / w.group_size];
+    case Format::F16:
+      return half_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
+    case Format::BF16:
+      return bf16_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
+  }
+  return 0.0f;
+}
+
+bool is_affine(const Weights& w) { return w.format == Format::Affine4 || w.format == Format::Affine8; }
+
+void portable_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
+  int groups = is_affine(w) ? w.K / w.group_size : 0;
+  std::vector<float> s(groups), b(groups);
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
+    if (groups) row_scales(w, n, s.data(), b.data());
+    for (int m = 0; m < a.M; m++) {
+      const float* x = a.x + static_cast<long>(m) * w.K;
+      float sum = 0.0f;
+      for (int k = 0; k < w.K; k++) sum += x[k] * weight_at(w, row, s.data(), b.data(), k);
+      y[m * ldy + n] = sum;
+    }
+  }
+}
+
+void portable_dequant(const Weights& w, int n0, int n1, float* out) {
+  int groups = is_affine(w) ? w.K / w.group_size : 0;
+  std::vector<float> s(groups), b(groups);
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
+    if (groups) row_scales(w, n, s.data(), b.data());
+    float* o = out + static_cast<long>(n - n0) * w.K;
+    for (int k = 0; k < w.K; k++) o[k] = weight_at(w, row, s.data(), b.data(), k);
+  }
+}
+
+}  // namespace
+
+void row_scales(const Weights& w, int n, float* scales, float* biases) {
+  int groups = w.K / w.group_size;
+  long at = static_cast<long>(n) * groups;
+  for (int g = 0; g < groups; g++) {
+    scales[g] = scale_at(w.scales, w.scale_type, at + g);
+    biases[g] = scale_at(w.biases, w.scale_type, at + g);
+  }
+}
+
+void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  const int K = w.K, gs = w.group_size, groups = K / gs;
+  for (int m = 0; m < M; m++) {
+    const float* xr = x + static_cast<long>(m) * K;
+    int16_t* qr = xq + static_cast<long>(m) * K;
+    for (int g = 0; g < groups; g++) {
+      const float* xg = xr + g * gs;
+      float amax = 0.0f, sum = 0.0f;
+      for (int i = 0; i < gs; i++) {
+        amax = std::fmax(amax, std::fabs(xg[i]));
+        sum += xg[i];
+      }
+      float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      xscale[m * groups + g] = scale;
+      xsum[m * groups + g] = sum;
+      for (int i = 0; i < gs; i++) {
+        int k = g * gs + i, at = k;
+        if (w.format == Format::Affine4) {  // within a 32-chunk: evens first, then odds
+          int c = k & ~31, j = k & 31;
+          at = c + (j & 1) * 16 + j / 2;
+        }
+        qr[at] = static_cast<int16_t>(std::lrintf(xg[i] * inv));
+      }
+    }
+  }
+}
+
+const Kernels& portable_kernels() {
+  static const Kernels kernels{"portable", portable_rows, portable_dequant};
+  return kernels;
+}
+
+}  // namespace shoal

@@ -1,0 +1,111 @@
+"""Layers that keep their weights as stored and multiply with Shoal's CPU kernels.
+
+MLX's own CPU kernels for quantized and 16-bit matmuls are single-threaded and scalar (a 4-bit
+Qwen3-0.6B shape decodes at ~0.3 tok/s here), so on the CPU each supported layer is swapped for
+an equivalent one whose product is `node.native._kernels.weight_matmul` (an MLX primitive:
+lazy, on MLX's CPU stream, all cores):
+
+- `nn.QuantizedLinear` (affine, 4 or 8 bits, groups of 32/64/128) -> `KernelQuantizedLinear`
+- `nn.QuantizedEmbedding` (same)                                  -> `KernelQuantizedEmbedding`
+- `nn.Linear` / `nn.Embedding` with float16 or bfloat16 weights   -> `KernelHalfLinear` / `...Embedding`
+
+The replacements hold the very same arrays under the same names (`weight`, `scales`,
+`biases`, `bias`), so memory stays at the stored size and nothing that walks parameters changes.
+Embeddings look rows up as MLX does and hand them on as float32; their `as_linear` (a tied
+output head) runs on the kernels. Activations are float32 throughout.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUPS = (32, 64, 128)
+HALF_DTYPES = (mx.float16, mx.bfloat16)
+
+
+def is_supported_quantized(module: Any) -> bool:
+    """Whether the kernels hold this quantized layer as stored."""
+    return (
+        isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        and getattr(module, "mode", "affine") == "affine"
+        and module.bits in SUPPORTED_BITS
+        and module.group_size in SUPPORTED_GROUPS
+        and getattr(module, "biases", None) is not None
+    )
+
+
+def is_half_dense(module: Any) -> bool:
+    """A plain Linear or Embedding with 16-bit weights (K a multiple of 8, as every model has)."""
+    return (
+        type(module) in (nn.Linear, nn.Embedding)
+        and module.weight.dtype in HALF_DTYPES
+        and module.weight.shape[-1] % 8 == 0
+    )
+
+
+class _KernelLayer(nn.Module):
+    """Shared: the kernels module and the product with this layer's stored weight."""
+
+    def __init__(
+        self, kernels: ModuleType, source: nn.Module, *, group_size: int = 0, bits: int = 16
+    ) -> None:
+        super().__init__()
+        self._kernels = kernels
+        self.group_size = group_size
+        self.bits = bits
+        for key in ("weight", "scales", "biases", "bias"):
+            if key in source:
+                setattr(self, key, source[key])
+        self.freeze()
+
+    def _product(self, x: mx.array) -> mx.array:
+        if self.bits == 16:
+            return self._kernels.weight_matmul(x, self.weight)
+        return self._kernels.weight_matmul(
+            x, self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+        )
+
+
+class KernelQuantizedLinear(_KernelLayer):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._product(x)
+        return y + self.bias if "bias" in self else y
+
+
+class KernelHalfLinear(KernelQuantizedLinear):
+    """Same call as the quantized one: the kernels tell the layouts apart by the weight's dtype."""
+
+
+class KernelQuantizedEmbedding(_KernelLayer):
+    def __call__(self, ids: mx.array) -> mx.array:
+        rows = mx.dequantize(
+            self.weight[ids], self.scales[ids], self.biases[ids], group_size=self.group_size, bits=self.bits
+        )
+        return rows.astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._product(x)
+
+
+class KernelHalfEmbedding(_KernelLayer):
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.weight[ids].astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._product(x)
+
+
+def kernel_layer(kernels: ModuleType, module: Any) -> nn.Module | None:
+    """The replacement for `module`, or None when the kernels do not take it."""
+    if is_supported_quantized(module):
+        cls = KernelQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else KernelQuantizedLinear
+        return cls(kernels, module, group_size=module.group_size, bits=module.bits)
+    if is_half_dense(module):
+        half = KernelHalfEmbedding if isinstance(module, nn.Embedding) else KernelHalfLinear
+        return half(kernels, module)
+    return None

@@ -1,0 +1,164 @@
+"""The load-time weight policy: weights stay as stored on the kernels, else become float32."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from node.native import KernelLoad, load_kernels
+from node.runner import kernels as kernel_layers
+from node.runner.dtype import apply_dtype_policy
+from node.runner.engine import load_model
+from tests.model_factory import TOKENIZER_FILES, make_random_model
+
+NO_KERNELS = KernelLoad(None, "kernels left out by the test")
+needs_kernels = pytest.mark.skipif(
+    load_kernels().module is None, reason=f"native kernels unavailable: {load_kernels().reason}"
+)
+
+
+def _params(model: Any) -> list[tuple[str, mx.array]]:
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
+def _write_model(dst: Path, weights: dict[str, mx.array], config: dict[str, Any], tokenizer: Path) -> Path:
+    dst.mkdir(parents=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dst / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copyfile(tokenizer / name, dst / name)
+    return dst
+
+
+def _quantized_copy(src: Path, dst: Path, *, bits: int = 4, group_size: int = 32) -> Path:
+    """`src` quantized the way `mlx_lm.convert -q` does it (bf16 scales for a bf16 model)."""
+    from mlx_lm.utils import load, quantize_model
+
+    model, _tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], load(str(src), return_config=True))
+    model, config = quantize_model(model, config, group_size=group_size, bits=bits)
+    return _write_model(dst, dict(_params(model)), config, src)
+
+
+def _dequantize_numpy(weights: dict[str, mx.array], bits: int, group_size: int) -> dict[str, mx.array]:
+    """Affine dequantization written out independently: w = q * scale + bias, in float32."""
+    out = {}
+    for name, value in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name.removesuffix(".weight")
+        if value.dtype == mx.uint32 and f"{base}.scales" in weights:
+            words = np.asarray(value)
+            q = np.stack([(words >> (bits * i)) & (2**bits - 1) for i in range(32 // bits)], axis=-1)
+            q = q.reshape(words.shape[0], -1).astype(np.float32)
+            scales = np.asarray(weights[f"{base}.scales"].astype(mx.float32))
+            biases = np.asarray(weights[f"{base}.biases"].astype(mx.float32))
+            dense = q * np.repeat(scales, group_size, axis=1) + np.repeat(biases, group_size, axis=1)
+            out[name] = mx.array(dense)
+        else:
+            out[name] = value.astype(mx.float32)
+    return out
+
+
+def _greedy_tokens(model: Any, tokenizer: Any, prompt: list[int], n: int = 16) -> list[int]:
+    from mlx_lm import stream_generate
+
+    return [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)]
+
+
+def _float32_tokens(model_dir: Path, prompt: list[int]) -> list[int]:
+    loaded = load_model(model_dir, vocab_dir=None)
+    assert {v.dtype for _, v in _params(loaded.model)} == {mx.float32}
+    return _greedy_tokens(loaded.model, loaded.tokenizer, prompt)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("models") / "bf16", tokenizer_from=builtin_model_dir, dtype="bfloat16"
+    )
+
+
+@pytest.fixture(scope="module")
+def float32_twin(bf16_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    weights = mx.load(str(bf16_model / "model.safetensors"))
+    assert isinstance(weights, dict)
+    config = json.loads((bf16_model / "config.json").read_text())
+    f32 = {k: v.astype(mx.float32) for k, v in weights.items()}
+    return _write_model(tmp_path_factory.mktemp("models") / "f32", f32, config, bf16_model)
+
+
+@needs_kernels
+def test_bf16_model_stays_bf16_on_the_kernels(bf16_model: Path, float32_twin: Path, caplog: Any) -> None:
+    prompt = list(range(200, 232))
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        loaded = load_model(bf16_model, vocab_dir=None)
+    assert caplog.messages[-1].startswith("weights: bfloat16 kept as stored in ")
+    layers = [m for _, m in loaded.model.named_modules() if isinstance(m, kernel_layers.KernelHalfLinear)]
+    assert layers and all(m.weight.dtype == mx.bfloat16 for m in layers)
+    norms = [v for k, v in _params(loaded.model) if k.endswith("norm.weight")]
+    assert norms and all(v.dtype == mx.float32 for v in norms)  # small parameters: the activations' dtype
+    assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == _float32_tokens(float32_twin, prompt)
+
+
+@needs_kernels
+def test_quantized_model_stays_quantized_and_matches_its_float32_weights(
+    bf16_model: Path, tmp_path: Path, caplog: Any
+) -> None:
+    for bits, group in ((4, 32), (8, 64)):
+        quantized = _quantized_copy(bf16_model, tmp_path / f"q{bits}", bits=bits, group_size=group)
+        weights = mx.load(str(quantized / "model.safetensors"))
+        assert isinstance(weights, dict)
+        config = json.loads((quantized / "config.json").read_text())
+        plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+        ahead = _write_model(
+            tmp_path / f"f32-{bits}", _dequantize_numpy(weights, bits, group), plain, bf16_model
+        )
+        with caplog.at_level(logging.INFO, logger="shoal.runner"):
+            loaded = load_model(quantized, vocab_dir=None)
+        assert f"weights: {bits}-bit affine + bfloat16 kept as stored" in caplog.messages[-1]
+        modules = dict(loaded.model.named_modules())
+        up = modules["model.layers.0.mlp.up_proj"]
+        assert isinstance(up, kernel_layers.KernelQuantizedLinear) and up.weight.dtype == mx.uint32
+        assert isinstance(modules["model.embed_tokens"], kernel_layers.KernelQuantizedEmbedding)
+        stored = sum(v.nbytes for v in weights.values())
+        held = sum(v.nbytes for _, v in _params(loaded.model))
+        assert held < 1.1 * stored, (held, stored)  # as stored, not float32 (which would be ~4-8x)
+        prompt = list(range(300, 340))
+        assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == _float32_tokens(ahead, prompt)
+
+
+def test_without_kernels_bf16_and_quantized_become_float32(bf16_model: Path, tmp_path: Path) -> None:
+    from mlx_lm.utils import load
+
+    for path in (bf16_model, _quantized_copy(bf16_model, tmp_path / "q4")):
+        model = load(str(path), lazy=True)[0]
+        decision = apply_dtype_policy(model, kernels=NO_KERNELS)
+        assert decision.converted and not decision.kernels
+        assert "(kernels left out by the test;" in decision.message
+        assert {v.dtype for _, v in _params(model)} == {mx.float32}
+        assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+
+
+def test_dtype_kept_as_stored_without_memory_or_on_a_gpu(bf16_model: Path) -> None:
+    from mlx_lm.utils import load
+
+    model = load(str(bf16_model), lazy=True)[0]
+    decision = apply_dtype_policy(model, available=10_000_000, kernels=NO_KERNELS)  # 10 MB free
+    assert not decision.converted and decision.stored == "bfloat16"
+    assert "NOT converted to float32" in decision.message and "only 0.0 GB available" in decision.message
+    assert {v.dtype for _, v in _params(model)} == {mx.bfloat16}
+
+    model = load(str(bf16_model), lazy=True)[0]
+    decision = apply_dtype_policy(model, device=mx.Device(mx.gpu))
+    assert not decision.converted
+    assert decision.message == "weights: bfloat16 as stored (on the GPU the stored dtype is fastest)"
