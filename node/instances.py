@@ -60,7 +60,11 @@ PLACEMENT_HEADROOM = 0.1
 class InstanceOptions:
     data_dir: Path
     runtime_dtype_bytes: int | None
-    """4 on the CPU (weights run in float32 there); None keeps the stored dtype (GPU)."""
+    """4 on the CPU (activations, and weights the kernels cannot hold, are float32 there); None keeps
+    the stored dtype (GPU)."""
+    kernels: bool
+    """Whether runners keep 4/8-bit and 16-bit weights as stored on the CPU kernels (placement
+    then counts those at their stored size)."""
     runner_spec: Callable[[ModelId, Path], RunnerSpec]
     """How this node runs a model it was given: the runner settings of `shoal run`'s flags."""
 
@@ -248,7 +252,10 @@ class InstanceManager:
         if source not in self._shapes:
             self._shapes[source] = await trio.to_thread.run_sync(
                 lambda: model_shape(
-                    resolved.name, resolved.path, runtime_dtype_bytes=self.options.runtime_dtype_bytes
+                    resolved.name,
+                    resolved.path,
+                    runtime_dtype_bytes=self.options.runtime_dtype_bytes,
+                    kernels=self.options.kernels,
                 )
             )
         return resolved, self._shapes[source]

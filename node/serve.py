@@ -18,6 +18,7 @@ from node.cluster import MEMORY_ROUNDING, ClusterConfig, ClusterService
 from node.config import NodeConfig
 from node.instances import InstanceManager, InstanceOptions
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
+from node.native import load_kernels
 from node.net.mesh import Mesh
 from node.profile import compute_backend, read_profile
 from node.routing import RemoteGenerations, serve_generations
@@ -96,6 +97,7 @@ async def run_node(config: NodeConfig) -> None:
     options = InstanceOptions(
         data_dir=config.data_dir,
         runtime_dtype_bytes=4 if backend_kind == "cpu" else None,
+        kernels=backend_kind == "cpu" and config.fast_path and load_kernels().module is not None,
         runner_spec=runner_spec,
     )
     instances = InstanceManager(cluster, mesh, options)

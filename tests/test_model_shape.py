@@ -194,3 +194,26 @@ def test_missing_files(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
     with pytest.raises(ModelShapeError, match=r"no \*\.safetensors files"):
         model_shape("none", tmp_path)
+
+
+def test_kernels_count_quantized_and_16_bit_weights_as_stored(bf16_model: Path, tmp_path: Path) -> None:
+    """With the CPU kernels a 4-bit model is placed at its stored size, not its float32 one."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load, quantize_model
+
+    model, _, config = load(str(bf16_model), return_config=True)
+    model, config = quantize_model(model, config, group_size=64, bits=4)
+    folder = tmp_path / "q4"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+
+    kept = model_shape("q", folder, runtime_dtype_bytes=4, kernels=True)
+    dense = model_shape("q", folder, runtime_dtype_bytes=4)
+    stored = model_shape("q", folder)
+    assert kept.weight_bytes < 0.2 * dense.weight_bytes  # 4-bit + scales vs float32
+    # as stored, but for the 1-D norms that become float32 (2 -> 4 bytes)
+    assert stored.weight_bytes <= kept.weight_bytes < 1.05 * stored.weight_bytes
+    assert kept.kv_bytes_per_token == dense.kv_bytes_per_token  # activations are float32 either way
+    bf16_kept = model_shape("b", bf16_model, runtime_dtype_bytes=4, kernels=True)
+    assert bf16_kept.weight_bytes < 0.55 * model_shape("b", bf16_model, runtime_dtype_bytes=4).weight_bytes

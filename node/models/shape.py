@@ -11,12 +11,13 @@ much JSON naming each tensor's dtype, shape and byte range); no tensor is read. 
 `num_hidden_layers` (e.g. a multi-token-prediction layer) are not loaded by mlx-lm and not counted.
 Any other tensor is an error: the model cannot be split by layers if we do not know where it goes.
 
-Bytes at run time can differ from bytes on disk: on the CPU the runner upcasts to float32 and
-dequantizes (see `node.runner.dtype`). `runtime_dtype_bytes=4` counts that: every float tensor at 4
-bytes per element, and every mlx-quantized weight (a uint32 `weight` packing 32/bits values per
-word, with sibling `scales` and `biases`) as its dense size, `packed elements x 32 / bits` at 4 bytes,
-its scales and biases then gone. `bits` comes from the config's `quantization` (a per-module entry
-first, then the default).
+Bytes at run time can differ from bytes on disk (see `node.runner.dtype`): on the CPU the runner
+keeps affine 4/8-bit layers and 16-bit matrices as stored on its kernels (`kernels=True`) and
+runs everything else in float32 (everything, without the kernels). `runtime_dtype_bytes=4` counts
+that: a float tensor at 4 bytes per element, an mlx-quantized weight (a uint32 `weight` packing
+32/bits values per word, with sibling `scales` and `biases`) at its dense size,
+`packed elements x 32 / bits` at 4 bytes, its scales and biases then gone. `bits` comes from the
+config's `quantization` (a per-module entry first, then the default).
 
 The KV cache per token per layer is 2 (keys and values) x kv heads x head dim x the activations'
 dtype bytes (`runtime_dtype_bytes`, else the config's `torch_dtype`, else the weights' dominant float
@@ -59,6 +60,9 @@ DTYPE_BYTES = {
 }
 """Bytes per element of each safetensors dtype."""
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+HALF_DTYPES = frozenset({"F16", "BF16"})
+KERNEL_BITS = frozenset({4, 8})
+"""What the CPU kernels keep as stored (node.runner.kernels): 16-bit matrices, affine 4/8-bit layers."""
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -76,13 +80,16 @@ def model_shape(
     context_length: int | None = None,
     *,
     runtime_dtype_bytes: int | None = None,
+    kernels: bool = False,
 ) -> ModelShape:
     """The `ModelShape` of the mlx-lm model folder `folder` (config.json + *.safetensors).
 
     `context_length` defaults to the config's `max_position_embeddings`. `runtime_dtype_bytes`
     (e.g. 4 for float32 on the CPU) counts weights and KV cache at that size; None counts them as
-    stored. Raises `ModelShapeError` for a missing or malformed config or header, a tensor that is
-    not a layer, embedding or head, or a layer without tensors.
+    stored. `kernels` (with `runtime_dtype_bytes`): the runner's CPU kernels keep affine 4/8-bit
+    layers and 2-D 16-bit weights as stored (`node.runner.dtype`), so those count as stored and
+    only the rest at `runtime_dtype_bytes`. Raises `ModelShapeError` for a missing or malformed
+    config or header, a tensor that is not a layer, embedding or head, or a layer without tensors.
     """
     config = _read_config(folder)
     num_layers = _config_int(config, "num_hidden_layers")
@@ -92,7 +99,7 @@ def model_shape(
     embedding = head = 0
     seen_layers: set[int] = set()
     for name, info in tensors.items():
-        size = _runtime_bytes(name, info, tensors, bits, runtime_dtype_bytes)
+        size = _runtime_bytes(name, info, tensors, bits, runtime_dtype_bytes, kernels)
         local = name.removeprefix("language_model.")
         if match := _LAYER.match(local):
             index = int(match.group(1))
@@ -207,6 +214,7 @@ def _runtime_bytes(
     tensors: dict[str, dict[str, Any]],
     bits: dict[str, int],
     runtime_dtype_bytes: int | None,
+    kernels: bool,
 ) -> int:
     stored = int(info["data_offsets"][1] - info["data_offsets"][0])
     if runtime_dtype_bytes is None:
@@ -214,12 +222,16 @@ def _runtime_bytes(
     module, _, kind = name.rpartition(".")
     quantized = f"{module}.scales" in tensors and kind in ("weight", "scales", "biases")
     if not quantized:
+        if kernels and info["dtype"] in HALF_DTYPES and len(info["shape"]) == 2:
+            return stored
         return _elements(info) * runtime_dtype_bytes if info["dtype"] in FLOAT_DTYPES else stored
-    if kind != "weight":
-        return 0  # folded into the dense weight
     module_bits = bits.get(module, bits.get(""))
     if module_bits is None:
         raise ModelShapeError(f"tensor {name!r} is quantized but config.json gives no quantization bits")
+    if kernels and module_bits in KERNEL_BITS:
+        return stored
+    if kind != "weight":
+        return 0  # folded into the dense weight
     packed_bits = _elements(info) * DTYPE_BYTES[info["dtype"]] * 8
     return packed_bits // module_bits * runtime_dtype_bytes
 
