@@ -62,49 +62,92 @@ inline float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
-// One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations.
+// The int32 products of one 32-weight chunk (8-bit: natural order; 4-bit: a chunk without a pair,
+// its 16 even then 16 odd values in xq) with one row of xq.
+template <int BITS>
+inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
+  __m256i lo, hi;
+  if constexpr (BITS == 4) {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+  } else {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+    hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+  }
+  const __m256i* x = reinterpret_cast<const __m256i*>(xq);
+  return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)), _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
+}
+
+// One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations. Works a
+// step of two 32-weight chunks at a time: their int32 sums are scaled by each chunk's
+// scale x activation scale (sxc) and added to one of two float accumulators per row of x,
+// alternating, so that no FMA waits on its predecessor. The same order for any MB.
 template <int BITS, int MB>
 inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, const float* s,
-                       const float* b, float* sx, float* y, long ldy, int n, int m0) {
-  const int K = w.K, groups = a.groups, per_group = w.group_size / 32;
+                       const float* b, float* sxc, float* y, long ldy, int n, int m0) {
+  const int K = w.K, groups = a.groups, chunks = K / 32, per_group = w.group_size / 32;
   constexpr int chunk_bytes = 32 * BITS / 8;
   for (int m = 0; m < MB; m++) {
     const float* xs = a.xscale + static_cast<long>(m0 + m) * groups;
-    int g = 0;
-    for (; g + 8 <= groups; g += 8)
-      _mm256_storeu_ps(sx + m * groups + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g)));
-    for (; g < groups; g++) sx[m * groups + g] = s[g] * xs[g];
+    float* out = sxc + m * chunks;
+    if (per_group == 1) {
+      int g = 0;
+      for (; g + 8 <= groups; g += 8)
+        _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g)));
+      for (; g < groups; g++) out[g] = s[g] * xs[g];
+    } else {
+      for (int g = 0; g < groups; g++)
+        for (int c = 0; c < per_group; c++) out[g * per_group + c] = s[g] * xs[g];
+    }
   }
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-  for (int g = 0; g < groups; g++) {
-    __m256i isum[MB];
-    for (int m = 0; m < MB; m++) isum[m] = _mm256_setzero_si256();
-    for (int c = 0; c < per_group; c++) {
-      const int chunk = g * per_group + c;
-      __m256i lo, hi;
+  __m256 acc[2][MB];
+  for (int m = 0; m < MB; m++) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+  int c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    __m256i q[4];
+    if constexpr (BITS == 4) {  // both chunks' 32 bytes: lane 0 chunk c, lane 1 chunk c + 1
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
+      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      q[0] = _mm256_unpacklo_epi8(lo, zero), q[1] = _mm256_unpackhi_epi8(lo, zero);
+      q[2] = _mm256_unpacklo_epi8(hi, zero), q[3] = _mm256_unpackhi_epi8(hi, zero);
+    }
+    __m256* into = acc[(c >> 1) & 1];
+    for (int m = 0; m < MB; m++) {
+      const int16_t* xq = a.xq + static_cast<long>(m0 + m) * K + c * 32;
+      const float* sx = sxc + m * chunks + c;
+      __m256 scale, f;
       if constexpr (BITS == 4) {
-        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + chunk * chunk_bytes));
-        lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
-        hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+        const __m256i* x = reinterpret_cast<const __m256i*>(xq);
+        __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(x)),
+                                      _mm256_madd_epi16(q[1], _mm256_loadu_si256(x + 1)));
+        __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(q[2], _mm256_loadu_si256(x + 2)),
+                                      _mm256_madd_epi16(q[3], _mm256_loadu_si256(x + 3)));
+        f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));  // lanes 0-3 chunk c, 4-7 chunk c + 1
+        scale = _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx));
+        into[m] = _mm256_fmadd_ps(f, scale, into[m]);
       } else {
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + chunk * chunk_bytes));
-        lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
-        hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
-      }
-      for (int m = 0; m < MB; m++) {
-        const __m256i* xq = reinterpret_cast<const __m256i*>(a.xq + static_cast<long>(m0 + m) * K + chunk * 32);
-        __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(xq)),
-                                     _mm256_madd_epi16(hi, _mm256_loadu_si256(xq + 1)));
-        isum[m] = _mm256_add_epi32(isum[m], p);
+        __m256 f0 = _mm256_cvtepi32_ps(chunk_product<8>(row + c * chunk_bytes, xq));
+        __m256 f1 = _mm256_cvtepi32_ps(chunk_product<8>(row + (c + 1) * chunk_bytes, xq + 32));
+        into[m] = _mm256_fmadd_ps(f1, _mm256_broadcast_ss(sx + 1),
+                                  _mm256_fmadd_ps(f0, _mm256_broadcast_ss(sx), into[m]));
       }
     }
-    for (int m = 0; m < MB; m++)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_broadcast_ss(sx + m * groups + g), acc[m]);
+  }
+  if (c < chunks) {  // an odd number of chunks: the last one alone
+    __m256* into = acc[(c >> 1) & 1];
+    for (int m = 0; m < MB; m++) {
+      const int16_t* xq = a.xq + static_cast<long>(m0 + m) * K + c * 32;
+      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS>(row + c * chunk_bytes, xq));
+      into[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sxc + m * chunks + c), into[m]);
+    }
   }
   for (int m = 0; m < MB; m++)
-    y[(m0 + m) * ldy + n] = hsum(acc[m]) + dot(b, a.xsum + static_cast<long>(m0 + m) * groups, groups);
+    y[(m0 + m) * ldy + n] =
+        hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + dot(b, a.xsum + static_cast<long>(m0 + m) * groups, groups);
 }
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).
@@ -158,7 +201,7 @@ void avx2_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int 
   const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;
   const int groups = affine ? a.groups : 0;
   thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(2 + 4) * groups + 8);
+  buffer.resize(static_cast<size_t>(2) * groups + static_cast<size_t>(4) * (w.K / 32) + 8);
   float *s = buffer.data(), *b = s + groups, *sx = b + groups;
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;

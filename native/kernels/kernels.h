@@ -35,7 +35,7 @@ struct Weights {
 struct Acts {
   int M, K, groups;
   const float* x;       // M x K, row-major
-  const int16_t* xq;    // M x K; for Affine4 each 32-value chunk is its 16 even then 16 odd values
+  const int16_t* xq;    // M x K; for Affine4 in the order the kernel unpacks nibbles: affine4_position
   const float* xscale;  // M x groups: x = xq * xscale within a group
   const float* xsum;    // M x groups: the sum of x over the group (exact floats)
 };
@@ -59,6 +59,11 @@ const Kernels* avx2_kernels();
 
 // Scales and biases of row n as floats (shared by every kernel).
 void row_scales(const Weights& w, int n, float* scales, float* biases);
+// Where x[k] goes in a row of Acts::xq for Affine4. Pairs of 32-weight chunks (c, c + 1) are
+// read as one 32-byte vector whose nibbles are widened in-lane (vpunpck*bw): its four 16-value
+// blocks are (evens 0-14, evens 16-30, odds 1-15, odds 17-31), each with 8 values of c then 8 of
+// c + 1. A last chunk without a pair holds its 16 even then 16 odd values.
+int affine4_position(int k, int K);
 // Fill a.xq / xscale / xsum from a.x for this layout (the buffers are the caller's).
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 

@@ -100,6 +100,13 @@ void portable_dequant(const Weights& w, int n0, int n1, float* out) {
 
 }  // namespace
 
+int affine4_position(int k, int K) {
+  const int chunk = k / 32, j = k % 32, parity = j & 1, index = j >> 1;
+  if ((chunk | 1) >= K / 32) return chunk * 32 + parity * 16 + index;  // a last chunk without a pair
+  const int pair = chunk & ~1, h = chunk & 1, block = parity * 2 + (index >> 3);
+  return pair * 32 + block * 16 + h * 8 + (index & 7);
+}
+
 void row_scales(const Weights& w, int n, float* scales, float* biases) {
   int groups = w.K / w.group_size;
   long at = static_cast<long>(n) * groups;
@@ -125,12 +132,9 @@ void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* x
       xscale[m * groups + g] = scale;
       xsum[m * groups + g] = sum;
       for (int i = 0; i < gs; i++) {
-        int k = g * gs + i, at = k;
-        if (w.format == Format::Affine4) {  // within a 32-chunk: evens first, then odds
-          int c = k & ~31, j = k & 31;
-          at = c + (j & 1) * 16 + j / 2;
-        }
-        qr[at] = static_cast<int16_t>(std::lrintf(xg[i] * inv));
+        int k = g * gs + i;
+        qr[w.format == Format::Affine4 ? affine4_position(k, K) : k] =
+            static_cast<int16_t>(std::lrintf(xg[i] * inv));
       }
     }
   }
