@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import mlx.core as mx
 import pytest
@@ -33,7 +34,7 @@ def _error(got: mx.array, x: mx.array, dense: mx.array) -> float:
     x32 = x.astype(mx.float32)
     want = x32 @ dense.T
     scale = mx.abs(x32) @ mx.abs(dense).T
-    return float((mx.abs(got - want).max() / mx.maximum(scale.max(), 1e-6)).item())
+    return float(cast(float, (mx.abs(got - want).max() / mx.maximum(scale.max(), 1e-6)).item()))
 
 
 def _affine(n: int, k: int, bits: int, group: int, scale_dtype: mx.Dtype) -> tuple[mx.array, ...]:

