@@ -2,8 +2,9 @@
 
 A model reference (the built-in `smollm2-135m`, a model folder, a llama/qwen2/qwen3 `.gguf` file or
 a Hugging Face repo id) becomes an mlx-lm model folder with `resolve_model(ref, data_dir)`. Modules:
-`store` (data dir layout, listing, atomic publishing), `gguf*` (GGUF import: arch, quants, safetensors writer, child process, tokenizer),
-`builtin` (the default model), `hub` (Hugging Face downloads), `resolve` (the dispatcher).
+`store` (data dir layout, listing, atomic publishing), `gguf*` (GGUF import: architectures,
+quant layouts, safetensors writer, child process, tokenizer), `builtin` (the default model), `hub`
+(Hugging Face downloads), `resolve` (the dispatcher).
 """
 
 from node.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path, ensure_builtin_model
