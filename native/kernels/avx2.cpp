@@ -272,10 +272,59 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   }
 }
 
+// Where each of the 64 values of a 4-bit chunk pair goes (affine4_position within a pair).
+struct PairOrder {
+  uint8_t at[64];
+  PairOrder() {
+    for (int j = 0; j < 64; j++) at[j] = static_cast<uint8_t>(affine4_position(j, 64));
+  }
+};
+
+void avx2_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  static const PairOrder order;
+  const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  alignas(32) int16_t natural[64];
+  for (int m = 0; m < M; m++) {
+    const float* xr = x + static_cast<long>(m) * K;
+    int16_t* qr = xq + static_cast<long>(m) * K;
+    for (int g = 0; g < groups; g++) {
+      const float* xg = xr + g * gs;
+      __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+      for (int i = 0; i < gs; i += 8) {
+        __m256 v = _mm256_loadu_ps(xg + i);
+        vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+        vsum = _mm256_add_ps(vsum, v);
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+      xscale[m * groups + g] = amax / 32767.0f;
+      xsum[m * groups + g] = hsum(vsum);
+      for (int i = 0; i < gs; i += 16) {  // 16 values: two vectors rounded, packed, in order
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inv));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i + 8), inv));
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+        int16_t* dst = w.format == Format::Affine4 ? natural + ((g * gs + i) & 63) : qr + g * gs + i;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+        if (w.format == Format::Affine4 && ((g * gs + i + 16) & 63) == 0) {  // a pair of chunks is done
+          int16_t* pair = qr + (g * gs + i + 16 - 64);
+          for (int j = 0; j < 64; j++) pair[order.at[j]] = natural[j];
+        }
+      }
+    }
+    if (w.format == Format::Affine4 && (chunks & 1)) {  // the last chunk without a pair
+      int16_t* last = qr + (chunks - 1) * 32;
+      for (int j = 0; j < 32; j++) last[(j & 1) * 16 + (j >> 1)] = natural[j];
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels* avx2_kernels() {
-  static const Kernels kernels{"avx2", avx2_rows, avx2_dequant};
+  static const Kernels kernels{"avx2", avx2_rows, avx2_dequant, avx2_prepare};
   return &kernels;
 }
 

@@ -44,11 +44,14 @@ struct Acts {
 using RowsFn = void (*)(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1);
 // Rows [n0, n1) of w as float32, row after row (n1 - n0) x K: the prefill path feeds them to sgemm.
 using DequantFn = void (*)(const Weights& w, int n0, int n1, float* out);
+// Fill xq / xscale / xsum from M rows of x for this layout (the buffers are the caller's).
+using PrepareFn = void (*)(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 
 struct Kernels {
   const char* name;
   RowsFn rows;
   DequantFn dequant;
+  PrepareFn prepare;
 };
 
 constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles
@@ -64,7 +67,7 @@ void row_scales(const Weights& w, int n, float* scales, float* biases);
 // blocks are (evens 0-14, evens 16-30, odds 1-15, odds 17-31), each with 8 values of c then 8 of
 // c + 1. A last chunk without a pair holds its 16 even then 16 odd values.
 int affine4_position(int k, int K);
-// Fill a.xq / xscale / xsum from a.x for this layout (the buffers are the caller's).
+// The portable `prepare`: plain C++, one value at a time.
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 
 }  // namespace shoal

@@ -73,7 +73,7 @@ void small_product(const Weights& w, const float* x, int M, float* y) {
       xq.resize(static_cast<size_t>(rows) * w.K);
       xscale.resize(static_cast<size_t>(rows) * groups);
       xsum.resize(static_cast<size_t>(rows) * groups);
-      prepare_acts(w, xb, rows, xq.data(), xscale.data(), xsum.data());
+      k.prepare(w, xb, rows, xq.data(), xscale.data(), xsum.data());
       a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
     }
     float* yb = y + static_cast<long>(m0) * w.N;

@@ -118,6 +118,8 @@ void row_scales(const Weights& w, int n, float* scales, float* biases) {
 
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs;
+  std::vector<int> position(K);
+  for (int k = 0; k < K; k++) position[k] = w.format == Format::Affine4 ? affine4_position(k, K) : k;
   for (int m = 0; m < M; m++) {
     const float* xr = x + static_cast<long>(m) * K;
     int16_t* qr = xq + static_cast<long>(m) * K;
@@ -128,20 +130,16 @@ void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* x
         amax = std::fmax(amax, std::fabs(xg[i]));
         sum += xg[i];
       }
-      float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-      xscale[m * groups + g] = scale;
+      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      xscale[m * groups + g] = amax / 32767.0f;
       xsum[m * groups + g] = sum;
-      for (int i = 0; i < gs; i++) {
-        int k = g * gs + i;
-        qr[w.format == Format::Affine4 ? affine4_position(k, K) : k] =
-            static_cast<int16_t>(std::lrintf(xg[i] * inv));
-      }
+      for (int i = 0; i < gs; i++) qr[position[g * gs + i]] = static_cast<int16_t>(std::nearbyint(xg[i] * inv));
     }
   }
 }
 
 const Kernels& portable_kernels() {
-  static const Kernels kernels{"portable", portable_rows, portable_dequant};
+  static const Kernels kernels{"portable", portable_rows, portable_dequant, prepare_acts};
   return kernels;
 }
 
