@@ -4,14 +4,16 @@ For each model, in one run: prefill and decode tokens/s through a real `shoal ru
 greedy, a ~500-token prompt, 64 output tokens); `mlx_lm.stream_generate` in this process on the
 model as stored (what a user gets from mlx-lm: bf16 stays bf16, no shim); the same in a process set
 up like a runner (shim, threads, float32 weights: the fast path without the serving loop and HTTP
-around it); and the decode ceiling set by memory bandwidth (float32 weight bytes read per token /
+around it); and the decode ceiling set by memory bandwidth (stored weight bytes read per token /
 the bandwidth measured here with all usable cores summing a 2 GiB array).
 
-Models: the built-in SmolLM2-135M (float32 as stored) and a random-weight Qwen3-0.6B-shaped model
-stored as bfloat16, like the real checkpoint (28 layers, hidden 1024, MLP 3072, 16 heads, 8 KV
-heads; the built-in's 49k tokenizer instead of Qwen's 152k, so its head and embedding are smaller).
+Models: the built-in SmolLM2-135M (Q4_1 as stored), a random-weight Qwen3-0.6B-shaped model
+stored as bfloat16 (`qwen3`), like the real checkpoint, or as float32 (`qwen3-f32`) (28 layers,
+hidden 1024, MLP 3072, 16 heads, 8 KV heads; the built-in's 49k tokenizer instead of Qwen's 152k,
+so its head and embedding are smaller).
 
-    .venv/bin/python bench/runner_speed.py [--repeats 3] [--threads 1 2] [--models smollm2 qwen3]
+    .venv/bin/python bench/runner_speed.py [--repeats 3] [--threads 1 2] [--models smollm2 qwen3 qwen3-f32]
+        [--kernels-off]   # also Shoal with SHOAL_KERNELS=0: float32 weights, the route before the kernels
 
 Shoal's prefill rate is prompt tokens / time to the first streamed token (it includes the first
 decode step and the HTTP round trip); its decode rate is (tokens - 1) / (last - first token time).
@@ -75,20 +77,21 @@ def memory_bandwidth(threads: int, gib: float = 2.0) -> float:
     return best
 
 
-def decode_bytes_f32(model_dir: Path) -> int:
-    """Weight bytes one decode step reads in float32: every parameter except the embedding table,
-    of which a lookup reads one row, unless there is no lm_head (tied): then the head reads it all."""
+def decode_bytes(model_dir: Path) -> int:
+    """Weight bytes one decode step reads as stored (what the kernels read): every parameter except
+    the embedding table, of which a lookup reads one row, unless there is no lm_head (tied): then
+    the head reads it all."""
     import mlx.core as mx
 
     sizes: dict[str, int] = {}
     for path in model_dir.glob("*.safetensors"):
         weights = mx.load(str(path))
         assert isinstance(weights, dict)
-        sizes.update({name: value.size for name, value in weights.items()})
+        sizes.update({name: value.nbytes for name, value in weights.items()})
     total = sum(sizes.values())
     if any(name.startswith("lm_head.") for name in sizes):
         total -= sum(n for name, n in sizes.items() if "embed_tokens." in name)
-    return total * 4
+    return total
 
 
 def messages(text: str) -> list[dict[str, str]]:
@@ -167,8 +170,12 @@ def bench_shoal(client: httpx.Client, base_url: str, model_id: str, text: str) -
     return Speed(prompt / run.ttft_s, run.decode_tps, prompt, output)
 
 
-def shoal_runs(model_dir: Path, data_dir: Path, text: str, repeats: int, threads: str | None) -> list[Speed]:
+def shoal_runs(
+    model_dir: Path, data_dir: Path, text: str, repeats: int, threads: str | None, *, kernels: bool = True
+) -> list[Speed]:
     env = {"SHOAL_BLAS_THREADS": threads} if threads else {}
+    if not kernels:
+        env["SHOAL_KERNELS"] = "0"  # the float32 route every model took before the kernels
     node = start_node(data_dir=data_dir, model=str(model_dir), env=env, ready_timeout=600)
     try:
         assert node.model_id is not None
@@ -191,9 +198,9 @@ def median(runs: list[Speed]) -> Speed:
     )
 
 
-def qwen3_shaped(tmp: Path, builtin: Path) -> Path:
+def qwen3_shaped(tmp: Path, builtin: Path, dtype: str = "bfloat16") -> Path:
     return make_random_model(
-        tmp / "qwen3-0.6b-shape-bf16",
+        tmp / f"qwen3-0.6b-shape-{dtype}",
         tokenizer_from=builtin,
         model_type="qwen3",
         num_layers=28,
@@ -202,7 +209,7 @@ def qwen3_shaped(tmp: Path, builtin: Path) -> Path:
         num_heads=16,
         num_kv_heads=8,
         max_position_embeddings=4096,
-        dtype="bfloat16",
+        dtype=dtype,  # type: ignore[arg-type]
     )
 
 
@@ -230,7 +237,7 @@ class ModelResult:
             )
             rows.append((self.label, tag, f"{speed.prefill_tps:.1f}", f"{speed.decode_tps:.2f}", note))
         per_token = f"{self.bytes_per_token / 1e9:.2f} GB/token at {bandwidth:.1f} GB/s"
-        rows.append((self.label, "bandwidth limit (f32)", "", f"{limit:.2f}", per_token))
+        rows.append((self.label, "bandwidth limit (stored)", "", f"{limit:.2f}", per_token))
         return rows
 
 
@@ -246,16 +253,25 @@ def bench_model(label: str, model_dir: Path, tmp: Path, args: argparse.Namespace
         tag = f"shoal API ({threads} thr)" if threads else "shoal API (default)"
         print(f"{label}: {tag} ...", flush=True)
         fast.append((tag, median(shoal_runs(model_dir, tmp / "data", text, args.repeats, threads))))
+    if args.kernels_off:
+        print(f"{label}: shoal API, SHOAL_KERNELS=0 ...", flush=True)
+        runs = shoal_runs(model_dir, tmp / "data", text, args.repeats, None, kernels=False)
+        fast.append(("shoal API (kernels off)", median(runs)))
     last = fast[-1][1]
     print(f"{label}: prompt {last.prompt_tokens} tokens, {last.output_tokens} generated", flush=True)
-    return ModelResult(label, plain, fast, decode_bytes_f32(model_dir))
+    return ModelResult(label, plain, fast, decode_bytes(model_dir))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="Shoal requests per model (median)")
     parser.add_argument("--threads", nargs="*", default=[], help="also run Shoal with these thread counts")
-    parser.add_argument("--models", nargs="*", default=["smollm2", "qwen3"], choices=["smollm2", "qwen3"])
+    parser.add_argument(
+        "--models", nargs="*", default=["smollm2", "qwen3"], choices=["smollm2", "qwen3", "qwen3-f32"]
+    )
+    parser.add_argument(
+        "--kernels-off", action="store_true", help="also run Shoal with SHOAL_KERNELS=0 (float32, as before)"
+    )
     args = parser.parse_args()
 
     builtin = builtin_model()
@@ -269,8 +285,11 @@ def main() -> None:
         for name in args.models:
             if name == "smollm2":
                 results.append(bench_model("smollm2-135m", builtin, tmp, args))
+            elif name == "qwen3":
+                results.append(bench_model("qwen3-0.6b bf16", qwen3_shaped(tmp, builtin), tmp, args))
             else:
-                results.append(bench_model("qwen3-0.6b-shape", qwen3_shaped(tmp, builtin), tmp, args))
+                f32 = qwen3_shaped(tmp, builtin, "float32")
+                results.append(bench_model("qwen3-0.6b f32", f32, tmp, args))
     after = memory_bandwidth(cores)
     # The best of two measurements: other processes only ever make a reading lower than the hardware's.
     bandwidth = max(before, after)
