@@ -227,3 +227,53 @@ def write_llama_gguf(model_dir: Path, gguf_path: Path, *, tokenizer_gguf: Path) 
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
     mx.save_gguf(str(gguf_path), tensors, meta)
     return gguf_path
+
+
+def quantized_copy(src: Path, dst: Path, *, bits: int, group_size: int) -> Path:
+    """The model folder `src` quantized to MLX affine `bits`-bit the way `mlx_lm.convert -q` does it
+    (scales and biases in the model's dtype), written to `dst` (created) with `src`'s tokenizer."""
+    from mlx_lm.utils import load, quantize_model
+
+    loaded: Any = load(str(src), return_config=True)
+    model, _tokenizer, config = loaded
+    model, config = quantize_model(model, config, group_size=group_size, bits=bits)
+    return _write_folder(dst, dict(tree_flatten(model.parameters())), config, tokenizer_from=src)
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """The float32 dense twin of the quantized folder `src`: w = q * scale + bias, written out in
+    numpy (independently of `mx.dequantize`), every other parameter upcast to float32."""
+    import numpy as np
+
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    bits, group = int(config["quantization"]["bits"]), int(config["quantization"]["group_size"])
+    weights = mx.load(str(src / "model.safetensors"))
+    assert isinstance(weights, dict)
+    dense: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        base = name.removesuffix(".weight")
+        if name.endswith((".scales", ".biases")):
+            continue
+        if value.dtype == mx.uint32 and f"{base}.scales" in weights:
+            words = np.asarray(value)
+            q = np.stack([(words >> (bits * i)) & (2**bits - 1) for i in range(32 // bits)], axis=-1)
+            q = q.reshape(words.shape[0], -1).astype(np.float32)
+            scales = np.asarray(weights[f"{base}.scales"].astype(mx.float32))
+            biases = np.asarray(weights[f"{base}.biases"].astype(mx.float32))
+            dense[name] = mx.array(q * np.repeat(scales, group, axis=1) + np.repeat(biases, group, axis=1))
+        else:
+            dense[name] = value.astype(mx.float32)
+    plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    return _write_folder(dst, dense, plain, tokenizer_from=src)
+
+
+def _write_folder(
+    dst: Path, weights: dict[str, mx.array], config: dict[str, Any], *, tokenizer_from: Path
+) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).is_file():
+            shutil.copyfile(tokenizer_from / name, dst / name)
+    return dst

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -10,7 +9,6 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -18,7 +16,7 @@ from node.native import KernelLoad, load_kernels
 from node.runner import kernels as kernel_layers
 from node.runner.dtype import apply_dtype_policy
 from node.runner.engine import load_model
-from tests.model_factory import TOKENIZER_FILES, make_random_model
+from tests.model_factory import dequantized_copy, make_random_model, quantized_copy
 
 NO_KERNELS = KernelLoad(None, "kernels left out by the test")
 needs_kernels = pytest.mark.skipif(
@@ -28,45 +26,6 @@ needs_kernels = pytest.mark.skipif(
 
 def _params(model: Any) -> list[tuple[str, mx.array]]:
     return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-
-
-def _write_model(dst: Path, weights: dict[str, mx.array], config: dict[str, Any], tokenizer: Path) -> Path:
-    dst.mkdir(parents=True)
-    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (dst / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    for name in TOKENIZER_FILES:
-        if (tokenizer / name).is_file():
-            shutil.copyfile(tokenizer / name, dst / name)
-    return dst
-
-
-def _quantized_copy(src: Path, dst: Path, *, bits: int = 4, group_size: int = 32) -> Path:
-    """`src` quantized the way `mlx_lm.convert -q` does it (bf16 scales for a bf16 model)."""
-    from mlx_lm.utils import load, quantize_model
-
-    model, _tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], load(str(src), return_config=True))
-    model, config = quantize_model(model, config, group_size=group_size, bits=bits)
-    return _write_model(dst, dict(_params(model)), config, src)
-
-
-def _dequantize_numpy(weights: dict[str, mx.array], bits: int, group_size: int) -> dict[str, mx.array]:
-    """Affine dequantization written out independently: w = q * scale + bias, in float32."""
-    out = {}
-    for name, value in weights.items():
-        if name.endswith((".scales", ".biases")):
-            continue
-        base = name.removesuffix(".weight")
-        if value.dtype == mx.uint32 and f"{base}.scales" in weights:
-            words = np.asarray(value)
-            q = np.stack([(words >> (bits * i)) & (2**bits - 1) for i in range(32 // bits)], axis=-1)
-            q = q.reshape(words.shape[0], -1).astype(np.float32)
-            scales = np.asarray(weights[f"{base}.scales"].astype(mx.float32))
-            biases = np.asarray(weights[f"{base}.biases"].astype(mx.float32))
-            dense = q * np.repeat(scales, group_size, axis=1) + np.repeat(biases, group_size, axis=1)
-            out[name] = mx.array(dense)
-        else:
-            out[name] = value.astype(mx.float32)
-    return out
 
 
 def _greedy_tokens(model: Any, tokenizer: Any, prompt: list[int], n: int = 16) -> list[int]:
@@ -90,11 +49,16 @@ def bf16_model(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="module")
 def float32_twin(bf16_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bf16 model's weights upcast to float32 (a 16-bit "quantization" is just the dtype)."""
     weights = mx.load(str(bf16_model / "model.safetensors"))
     assert isinstance(weights, dict)
-    config = json.loads((bf16_model / "config.json").read_text())
-    f32 = {k: v.astype(mx.float32) for k, v in weights.items()}
-    return _write_model(tmp_path_factory.mktemp("models") / "f32", f32, config, bf16_model)
+    dst = tmp_path_factory.mktemp("models") / "f32"
+    dst.mkdir()
+    mx.save_safetensors(str(dst / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (bf16_model / name).is_file():
+            shutil.copyfile(bf16_model / name, dst / name)
+    return dst
 
 
 @needs_kernels
@@ -115,14 +79,10 @@ def test_quantized_model_stays_quantized_and_matches_its_float32_weights(
     bf16_model: Path, tmp_path: Path, caplog: Any
 ) -> None:
     for bits, group in ((4, 32), (8, 64)):
-        quantized = _quantized_copy(bf16_model, tmp_path / f"q{bits}", bits=bits, group_size=group)
+        quantized = quantized_copy(bf16_model, tmp_path / f"q{bits}", bits=bits, group_size=group)
         weights = mx.load(str(quantized / "model.safetensors"))
         assert isinstance(weights, dict)
-        config = json.loads((quantized / "config.json").read_text())
-        plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-        ahead = _write_model(
-            tmp_path / f"f32-{bits}", _dequantize_numpy(weights, bits, group), plain, bf16_model
-        )
+        ahead = dequantized_copy(quantized, tmp_path / f"f32-{bits}")
         with caplog.at_level(logging.INFO, logger="shoal.runner"):
             loaded = load_model(quantized, vocab_dir=None)
         assert f"weights: {bits}-bit affine + bfloat16 kept as stored" in caplog.messages[-1]
@@ -140,7 +100,7 @@ def test_quantized_model_stays_quantized_and_matches_its_float32_weights(
 def test_without_kernels_bf16_and_quantized_become_float32(bf16_model: Path, tmp_path: Path) -> None:
     from mlx_lm.utils import load
 
-    for path in (bf16_model, _quantized_copy(bf16_model, tmp_path / "q4")):
+    for path in (bf16_model, quantized_copy(bf16_model, tmp_path / "q4", bits=4, group_size=32)):
         model = load(str(path), lazy=True)[0]
         decision = apply_dtype_policy(model, kernels=NO_KERNELS)
         assert decision.converted and not decision.kernels

@@ -67,6 +67,8 @@ def load_kernels() -> KernelLoad:
     if built_for != installed:
         return KernelLoad(None, f"the native kernels were built for MLX {built_for}, not {installed}")
     try:
+        import mlx.core  # noqa: F401  (loads libmlx.so, which an in-place build's RUNPATH cannot find)
+
         module = importlib.import_module("node.native._kernels")
         _self_test(module)
     except Exception as exc:  # a broken build must never stop a model from being served

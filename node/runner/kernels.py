@@ -83,10 +83,11 @@ class KernelHalfLinear(KernelQuantizedLinear):
 
 class KernelQuantizedEmbedding(_KernelLayer):
     def __call__(self, ids: mx.array) -> mx.array:
-        rows = mx.dequantize(
-            self.weight[ids], self.scales[ids], self.biases[ids], group_size=self.group_size, bits=self.bits
-        )
-        return rows.astype(mx.float32)
+        # float32 scales first: mx.dequantize computes in their dtype, and bf16 rows would round
+        # every embedding (greedy text then differs from the float32 weights at near-ties).
+        scales = self.scales[ids].astype(mx.float32)
+        biases = self.biases[ids].astype(mx.float32)
+        return mx.dequantize(self.weight[ids], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self._product(x)
