@@ -81,6 +81,39 @@ inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
   return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)), _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
 }
 
+// Chunks c and c + 1 of one weight row against MB rows of xq (row stride K), added to `into`.
+template <int BITS, int MB>
+__attribute__((always_inline)) inline void pair_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
+                                                     int chunks, int c, __m256* into) {
+  constexpr int chunk_bytes = 32 * BITS / 8;
+  if constexpr (BITS == 4) {  // both chunks' 32 bytes: lane 0 chunk c, lane 1 chunk c + 1
+    const __m256i mask = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
+    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    __m256i q0 = _mm256_unpacklo_epi8(lo, zero), q1 = _mm256_unpackhi_epi8(lo, zero);
+    __m256i q2 = _mm256_unpacklo_epi8(hi, zero), q3 = _mm256_unpackhi_epi8(hi, zero);
+    for (int m = 0; m < MB; m++) {
+      const __m256i* x = reinterpret_cast<const __m256i*>(xq + static_cast<long>(m) * K + c * 32);
+      const float* sx = sxc + m * chunks + c;
+      __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256(x)),
+                                    _mm256_madd_epi16(q1, _mm256_loadu_si256(x + 1)));
+      __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256(x + 2)),
+                                    _mm256_madd_epi16(q3, _mm256_loadu_si256(x + 3)));
+      __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));  // lanes 0-3 chunk c, 4-7 chunk c + 1
+      __m256 scale = _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx));
+      into[m] = _mm256_fmadd_ps(f, scale, into[m]);
+    }
+  } else {
+    for (int m = 0; m < MB; m++) {
+      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
+      const float* sx = sxc + m * chunks + c;
+      __m256 f0 = _mm256_cvtepi32_ps(chunk_product<8>(row + c * chunk_bytes, x));
+      __m256 f1 = _mm256_cvtepi32_ps(chunk_product<8>(row + (c + 1) * chunk_bytes, x + 32));
+      into[m] = _mm256_fmadd_ps(f1, _mm256_broadcast_ss(sx + 1), _mm256_fmadd_ps(f0, _mm256_broadcast_ss(sx), into[m]));
+    }
+  }
+}
+
 // One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations. Works a
 // step of two 32-weight chunks at a time: their int32 sums are scaled by each chunk's
 // scale x activation scale (sxc) and added to one of two float accumulators per row of x,
@@ -89,7 +122,6 @@ template <int BITS, int MB>
 inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, const float* s,
                        const float* b, float* sxc, float* y, long ldy, int n, int m0) {
   const int K = w.K, groups = a.groups, chunks = K / 32, per_group = w.group_size / 32;
-  constexpr int chunk_bytes = 32 * BITS / 8;
   for (int m = 0; m < MB; m++) {
     const float* xs = a.xscale + static_cast<long>(m0 + m) * groups;
     float* out = sxc + m * chunks;
@@ -103,51 +135,31 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, cons
         for (int c = 0; c < per_group; c++) out[g * per_group + c] = s[g] * xs[g];
     }
   }
-  __m256 acc[2][MB];
-  for (int m = 0; m < MB; m++) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  const __m256i mask = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+  // acc0 takes pairs 0, 2, 4, ..., acc1 pairs 1, 3, ...: the loop is unrolled so that both stay in
+  // registers (indexing one array by the pair's parity kept them on the stack).
+  __m256 acc0[MB], acc1[MB];
+  for (int m = 0; m < MB; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  const int16_t* xq = a.xq + static_cast<long>(m0) * K;
+  const float* sx = sxc;
   int c = 0;
-  for (; c + 2 <= chunks; c += 2) {
-    __m256i q[4];
-    if constexpr (BITS == 4) {  // both chunks' 32 bytes: lane 0 chunk c, lane 1 chunk c + 1
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
-      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      q[0] = _mm256_unpacklo_epi8(lo, zero), q[1] = _mm256_unpackhi_epi8(lo, zero);
-      q[2] = _mm256_unpacklo_epi8(hi, zero), q[3] = _mm256_unpackhi_epi8(hi, zero);
-    }
-    __m256* into = acc[(c >> 1) & 1];
-    for (int m = 0; m < MB; m++) {
-      const int16_t* xq = a.xq + static_cast<long>(m0 + m) * K + c * 32;
-      const float* sx = sxc + m * chunks + c;
-      __m256 scale, f;
-      if constexpr (BITS == 4) {
-        const __m256i* x = reinterpret_cast<const __m256i*>(xq);
-        __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(x)),
-                                      _mm256_madd_epi16(q[1], _mm256_loadu_si256(x + 1)));
-        __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(q[2], _mm256_loadu_si256(x + 2)),
-                                      _mm256_madd_epi16(q[3], _mm256_loadu_si256(x + 3)));
-        f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));  // lanes 0-3 chunk c, 4-7 chunk c + 1
-        scale = _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx));
-        into[m] = _mm256_fmadd_ps(f, scale, into[m]);
-      } else {
-        __m256 f0 = _mm256_cvtepi32_ps(chunk_product<8>(row + c * chunk_bytes, xq));
-        __m256 f1 = _mm256_cvtepi32_ps(chunk_product<8>(row + (c + 1) * chunk_bytes, xq + 32));
-        into[m] = _mm256_fmadd_ps(f1, _mm256_broadcast_ss(sx + 1),
-                                  _mm256_fmadd_ps(f0, _mm256_broadcast_ss(sx), into[m]));
-      }
-    }
+  for (; c + 4 <= chunks; c += 4) {
+    pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
+    pair_into<BITS, MB>(row, xq, K, sx, chunks, c + 2, acc1);
+  }
+  if (c + 2 <= chunks) {
+    pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
+    c += 2;
   }
   if (c < chunks) {  // an odd number of chunks: the last one alone
-    __m256* into = acc[(c >> 1) & 1];
+    __m256* into = (c >> 1) & 1 ? acc1 : acc0;
     for (int m = 0; m < MB; m++) {
-      const int16_t* xq = a.xq + static_cast<long>(m0 + m) * K + c * 32;
-      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS>(row + c * chunk_bytes, xq));
-      into[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sxc + m * chunks + c), into[m]);
+      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS>(row + c * BITS * 4, xq + static_cast<long>(m) * K + c * 32));
+      into[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sx + m * chunks + c), into[m]);
     }
   }
   for (int m = 0; m < MB; m++)
     y[(m0 + m) * ldy + n] =
-        hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + dot(b, a.xsum + static_cast<long>(m0 + m) * groups, groups);
+        hsum(_mm256_add_ps(acc0[m], acc1[m])) + dot(b, a.xsum + static_cast<long>(m0 + m) * groups, groups);
 }
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
+#include "fused.h"
 #include "matmul.h"
 
 namespace nb = nanobind;
@@ -20,4 +21,14 @@ NB_MODULE(_kernels, m) {
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });
   m.def("has_blas", &shoal::has_blas);
   m.def("threads", &shoal::pool_threads);
+  // Fused CPU versions of mx.fast.rms_norm / rope / scaled_dot_product_attention (node/runner/fused.py).
+  m.def("rms_norm", &shoal::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.fast.rms_norm on the CPU in one pass; float32 out.");
+  m.def("rope", &shoal::rope, "a"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a.none(), "scale"_a,
+        "offset"_a, "freqs"_a = nb::none(), "stream"_a = nb::none(),
+        "mx.fast.rope on the CPU in one pass; float32 out.");
+  m.def("scaled_dot_product_attention", &shoal::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
+        "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
+        "mx.fast.scaled_dot_product_attention on the CPU, rows split over the pool; float32 out.");
+  m.def("fused_kernel_name", [] { return std::string(shoal::active_fused().name); });
 }

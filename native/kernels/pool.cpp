@@ -103,7 +103,15 @@ void Pool::run(int tasks, const std::function<void(int)>& fn) {
     wake_.notify_all();
   }
   claim(generation);
-  while (done_.load() < tasks) cpu_relax();  // the last claimed tasks are microseconds away
+  // The last claimed tasks are usually microseconds away; if their thread lost its core, let
+  // whatever else is runnable here (the Python thread building the next graph) have this one.
+  for (int spins = 0; done_.load() < tasks; spins++) {
+    if (spins < kPauseSpins) {
+      cpu_relax();
+    } else {
+      sched_yield();
+    }
+  }
   // Closed: a worker still holding this generation's counter can never claim past the end
   // while the next job's fn_ and tasks_ are being written.
   work_.store((static_cast<unsigned long long>(generation) << 32) | kClosed);

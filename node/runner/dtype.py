@@ -32,6 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from node.native import KernelLoad, load_kernels
+from node.runner.fused import install_fused_ops
 from node.runner.kernels import (
     KernelHalfEmbedding,
     KernelHalfLinear,
@@ -219,6 +220,9 @@ def apply_dtype_policy(
     else:
         if kernels is None:
             kernels = load_kernels() if kernels_enabled() else KernelLoad(None, "turned off by configuration")
+        if kernels.module is not None:
+            # Every CPU model gains from these (float32 ones too); process-wide, idempotent.
+            log.info("%s", install_fused_ops(kernels.module))
         if kernels.module is not None and stored != "float32":
             decision = _keep_as_stored(model, kernels, stored, available)
         else:

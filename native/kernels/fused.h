@@ -1,0 +1,108 @@
+// Fused CPU operations for what mx.fast runs as graphs of small ops on the CPU (MLX 0.32 has no
+// CPU kernels for rms_norm, rope and scaled_dot_product_attention: each runs its fallback, 10-30
+// tiny ops of ~5 us each). Each is one MLX Primitive here, evaluated on the CPU stream in one pass.
+// Inputs are cast to float32 in the op; outputs are float32. Any strides are read as they are.
+#pragma once
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <variant>
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace shoal {
+
+namespace mx = mlx::core;
+
+// The inner loops, one set per instruction set (fused.cpp: portable C++; fused_avx2.cpp: AVX2+FMA).
+struct FusedKernels {
+  const char* name;
+  // scores[r * S + s] = scale * dot(q[r * D ...], k[s * ks ...]) for r < R, s < S.
+  void (*qk)(const float* q, int R, const float* k, long ks, int S, int D, float scale, float* scores);
+  // out[r * Dv + d] = sum over s of p[r * S + s] * v[s * vs + d].
+  void (*pv)(const float* p, int R, const float* v, long vs, int S, int Dv, float* out);
+  // The sum of x[i]^2 for i < n.
+  float (*sumsq)(const float* x, int n);
+  // x = softmax(x) in place, max subtracted; a sink (-inf: none) adds exp(sink) to the denominator.
+  void (*softmax)(float* x, int n, float sink);
+};
+
+const FusedKernels& portable_fused();
+// The AVX2+FMA loops, or nullptr when this build has none.
+const FusedKernels* avx2_fused();
+// The set in use: AVX2 exactly when the matmul kernels use AVX2 (SHOAL_KERNEL_ISA applies).
+const FusedKernels& active_fused();
+
+[[noreturn]] inline void no_gpu(const char* op) {
+  throw std::runtime_error(std::string("[") + op + "] has no GPU implementation: MLX's own op runs there");
+}
+
+class FusedRMSNorm : public mx::Primitive {
+ public:
+  FusedRMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override { no_gpu(name()); }
+  const char* name() const override { return "ShoalRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float eps_;
+};
+
+class FusedRoPE : public mx::Primitive {
+ public:
+  FusedRoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override { no_gpu(name()); }
+  const char* name() const override { return "ShoalRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;  // unused when freqs are given (inputs[2])
+  float scale_;
+};
+
+// Mask kinds of FusedSDPA (an array mask is inputs[3], broadcast to [B, Hq, L, S]).
+enum class MaskKind { None, Causal, Additive, Boolean };
+
+class FusedSDPA : public mx::Primitive {
+ public:
+  FusedSDPA(mx::Stream stream, float scale, MaskKind mask, bool sinks)
+      : mx::Primitive(stream), scale_(scale), mask_(mask), sinks_(sinks) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override { no_gpu(name()); }
+  const char* name() const override { return "ShoalSDPA"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  MaskKind mask_;
+  bool sinks_;
+};
+
+// mx.fast.rms_norm: x * rsqrt(mean(x^2, -1) + eps) * weight, weight [D] or absent.
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps,
+                   mx::StreamOrDevice s = {});
+
+// mx.fast.rope (forward): x [..., L, D] (ndim >= 3), positions offset + l; offset an int, a scalar
+// array or one per x.shape(0). Exactly one of base and freqs ([dims / 2]) is given.
+mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
+               const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
+               mx::StreamOrDevice s = {});
+
+// mx.fast.scaled_dot_product_attention: q [B, Hq, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv];
+// mask None, "causal" or an array broadcastable to [B, Hq, L, S] (bool: keep; else added);
+// sinks [Hq] or absent. Returns [B, Hq, L, Dv].
+mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+               const std::optional<std::variant<std::string, mx::array>>& mask,
+               const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
+
+}  // namespace shoal

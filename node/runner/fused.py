@@ -1,0 +1,182 @@
+"""`mx.fast.rms_norm`, `rope` and `scaled_dot_product_attention` on Shoal's fused CPU kernels.
+
+MLX 0.32 has no CPU kernels for these three: on the CPU each runs its fallback graph of 10-30
+tiny ops (measured in a graph: rms_norm of one 576-vector 47 us, rope of 9 heads 124 us, decode
+attention over 80 keys 166 us, against 6.5 us for `x + 1`), about half of SmolLM2-135M's decode
+step. `node.native._kernels` has one-pass primitives for them (native/kernels/fused.cpp).
+
+`install_fused_ops` replaces the three functions in `mx.fast` for the whole process by
+wrappers: a call the kernels cover (default device the CPU, float32, shapes and masks below) goes
+to the kernel, any other to the original function with the same arguments. mlx-lm and mlx.nn
+look `mx.fast.<name>` up at call time (`nn.RMSNorm`, `nn.RoPE`, `rope_utils.Llama3RoPE`,
+`models.base.scaled_dot_product_attention`), so every model picks the wrappers up.
+
+Covered natively: rms_norm of float32 x with no weight or a 1-D float one; rope of float32 x with
+ndim >= 3, even dims, base or freqs, an int offset or an integer array of 1 or x.shape[0]
+offsets; attention with float32 q/k/v, at most `MAX_NATIVE_QUERIES` queries (decode, small
+batches, speculative steps), mask None, "causal", a bool or float32 array, sinks or none.
+Everything else (prefill attention, 16-bit activations, an explicit stream) is MLX's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+MAX_NATIVE_QUERIES = 8
+"""Attention with more queries (prefill) stays on MLX's fallback: its matmuls run on sgemm."""
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+"""Norm weights of these types are cast to float32, as MLX does for float32 activations."""
+_CPU = mx.Device(mx.DeviceType.cpu)
+_NAMES = ("rms_norm", "rope", "scaled_dot_product_attention")
+_originals: dict[str, Callable[..., Any]] = {}
+_description = ""
+
+
+def _on_cpu(stream: object) -> bool:
+    return stream is None and mx.default_device() == _CPU
+
+
+def _make_rms_norm(kernels: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    native = kernels.rms_norm
+
+    def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream: Any = None) -> mx.array:
+        if (
+            _on_cpu(stream)
+            and x.dtype == mx.float32
+            and x.ndim >= 1
+            and (
+                weight is None
+                or (weight.ndim == 1 and weight.size == x.shape[-1] and weight.dtype in _FLOATS)
+            )
+        ):
+            return native(x, weight, eps)
+        return original(x, weight, eps, stream=stream)
+
+    return rms_norm
+
+
+def _offset_ok(offset: object, batch: int) -> bool:
+    if isinstance(offset, int) and not isinstance(offset, bool):
+        return True
+    return (
+        isinstance(offset, mx.array)
+        and mx.issubdtype(offset.dtype, mx.integer)
+        and offset.ndim <= 1
+        and offset.size in (1, batch)
+    )
+
+
+def _make_rope(kernels: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    native = kernels.rope
+
+    def rope(
+        a: mx.array,
+        dims: int,
+        *,
+        traditional: bool,
+        base: float | None,
+        scale: float,
+        offset: int | mx.array,
+        freqs: mx.array | None = None,
+        stream: Any = None,
+    ) -> mx.array:
+        if (
+            _on_cpu(stream)
+            and a.dtype == mx.float32
+            and a.ndim >= 3
+            and 0 < dims <= a.shape[-1]
+            and dims % 2 == 0
+            and (base is None) != (freqs is None)
+            and _offset_ok(offset, a.shape[0])
+        ):
+            return native(
+                a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
+            )
+        return original(
+            a,
+            dims,
+            traditional=traditional,
+            base=base,
+            scale=scale,
+            offset=offset,
+            freqs=freqs,
+            stream=stream,
+        )
+
+    return rope
+
+
+def _mask_ok(mask: object) -> bool:
+    if mask is None or isinstance(mask, str):
+        return mask in (None, "causal")
+    return isinstance(mask, mx.array) and mask.ndim <= 4 and mask.dtype in (mx.bool_, mx.float32)
+
+
+def _make_sdpa(kernels: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    native = kernels.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        *,
+        scale: float,
+        mask: str | mx.array | None = None,
+        sinks: mx.array | None = None,
+        force_fused: bool = False,
+        stream: Any = None,
+    ) -> mx.array:
+        if (
+            _on_cpu(stream)
+            and not force_fused
+            and q.ndim == 4
+            and q.shape[2] <= MAX_NATIVE_QUERIES
+            and q.dtype == k.dtype == v.dtype == mx.float32
+            and (sinks is None or sinks.dtype == mx.float32)
+            and _mask_ok(mask)
+        ):
+            return native(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        extra: dict[str, Any] = {"force_fused": True} if force_fused else {}
+        return original(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **extra)
+
+    return scaled_dot_product_attention
+
+
+def install_fused_ops(kernels: ModuleType) -> str:
+    """Route `mx.fast`'s three CPU fallbacks to `kernels` in this process; returns a log phrase.
+
+    Idempotent (a second call changes nothing and returns the same phrase). A kernels module
+    built without the fused ops leaves `mx.fast` alone and says so.
+    """
+    global _description
+    if _originals:
+        return _description
+    if not all(hasattr(kernels, name) for name in _NAMES):
+        return "no fused rms_norm/rope/attention (the kernels were built without them)"
+    makers = {"rms_norm": _make_rms_norm, "rope": _make_rope, "scaled_dot_product_attention": _make_sdpa}
+    for name in _NAMES:
+        original = getattr(mx.fast, name)
+        _originals[name] = original
+        setattr(mx.fast, name, makers[name](kernels, original))
+    loops = kernels.fused_kernel_name() if hasattr(kernels, "fused_kernel_name") else "native"
+    _description = f"fused rms_norm/rope/attention on the CPU ({loops} loops)"
+    return _description
+
+
+def uninstall_fused_ops() -> None:
+    """Put MLX's own functions back (tests; a runner never needs it)."""
+    global _description
+    for name, original in _originals.items():
+        setattr(mx.fast, name, original)
+    _originals.clear()
+    _description = ""
+
+
+def original_op(name: str) -> Callable[..., Any]:
+    """MLX's own `mx.fast.<name>`, installed or not (the reference in tests and benchmarks)."""
+    return _originals.get(name) or getattr(mx.fast, name)
