@@ -18,6 +18,11 @@ namespace shoal {
 
 namespace {
 
+#ifndef SHOAL_PREFETCH
+#define SHOAL_PREFETCH 1024
+#endif
+constexpr int kPrefetchBytes = SHOAL_PREFETCH;  // ahead of the weight stream
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -143,6 +148,7 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, cons
   const float* sx = sxc;
   int c = 0;
   for (; c + 4 <= chunks; c += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes), _MM_HINT_T0);
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c + 2, acc1);
   }
