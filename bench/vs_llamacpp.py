@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -54,7 +53,7 @@ from bench.llamacpp import (
 )
 from bench.runner_speed import STORY, memory_bandwidth, messages, prompt_text
 from node.runner.fastpath import usable_cores
-from tests.nodes import RunningNode
+from tests.nodes import RunningNode, spawn_node
 
 PROMPT_TOKENS = 500
 OUTPUT_TOKENS = 64
@@ -135,19 +134,7 @@ def start_shoal(model: Path, data_dir: Path, threads: int, timeout: float) -> Ru
     cmd = [sys.executable, "-m", "node.cli", "run", "--api-port", "0", "--data-dir", str(data_dir)]
     cmd += ["--api-host", "127.0.0.1", "--p2p-host", "127.0.0.1", "--no-mdns", "--prefix-cache-tokens", "0"]
     cmd += ["--model", str(model)]
-    env = {**os.environ, "SHOAL_BLAS_THREADS": str(threads)}
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    node = RunningNode(process=process, base_url="", model_id=None)
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            node.log.append(line)
-            node._lines.put(line)
-        node._lines.put(None)
-        node._output_closed.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    node = spawn_node(cmd, env={"SHOAL_BLAS_THREADS": str(threads)})
     try:
         node.base_url = node.wait_for_log(r"API listening on (http://\S+)", 120).group(1)
         end = node.wait_for_log(_NODE_END, timeout)

@@ -116,12 +116,7 @@ def make_random_model(
     model = module.Model(module.ModelArgs.from_dict(config))
     weights = _random_parameters(dict(tree_flatten(model.parameters())), seed, getattr(mx, dtype))
     model.update(tree_unflatten(list(weights.items())))  # proves every name and shape fits the class
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copyfile(tokenizer_from / name, out_dir / name)
-    return out_dir
+    return write_model_folder(out_dir, weights, config, tokenizer_from=tokenizer_from)
 
 
 def _random_parameters(shapes: dict[str, mx.array], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
@@ -237,7 +232,7 @@ def quantized_copy(src: Path, dst: Path, *, bits: int, group_size: int) -> Path:
     loaded: Any = load(str(src), return_config=True)
     model, _tokenizer, config = loaded
     model, config = quantize_model(model, config, group_size=group_size, bits=bits)
-    return _write_folder(dst, dict(tree_flatten(model.parameters())), config, tokenizer_from=src)
+    return write_model_folder(dst, dict(tree_flatten(model.parameters())), config, tokenizer_from=src)
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
@@ -264,12 +259,13 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
         else:
             dense[name] = value.astype(mx.float32)
     plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    return _write_folder(dst, dense, plain, tokenizer_from=src)
+    return write_model_folder(dst, dense, plain, tokenizer_from=src)
 
 
-def _write_folder(
+def write_model_folder(
     dst: Path, weights: dict[str, mx.array], config: dict[str, Any], *, tokenizer_from: Path
 ) -> Path:
+    """An mlx-lm folder: these weights and config.json, and `tokenizer_from`'s tokenizer files."""
     dst.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -97,6 +97,29 @@ DEFAULT = "default"
 """Pass as `model` to start a node without `--model`, i.e. with the built-in default."""
 
 
+def spawn_node(cmd: list[str], *, env: dict[str, str] | None = None, netns: str | None = None) -> RunningNode:
+    """Start `cmd` (a `shoal run` command line) with its output collected into the node's log."""
+    process = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    node = RunningNode(process=process, base_url="", model_id=None, netns=netns)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            node.log.append(line)
+            node._lines.put(line)
+        node._lines.put(None)
+        node._output_closed.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return node
+
+
 def start_node(
     *args: str,
     data_dir: Path,
@@ -122,24 +145,7 @@ def start_node(
     elif model != DEFAULT:
         cmd += ["--model", model]
     cmd += list(args)
-    process = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    node = RunningNode(process=process, base_url="", model_id=None, netns=netns)
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            node.log.append(line)
-            node._lines.put(line)
-        node._lines.put(None)
-        node._output_closed.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    node = spawn_node(cmd, env=env, netns=netns)
     try:
         node.base_url = str(node.wait_for_log(_LISTENING, ready_timeout).group(1))
         node.p2p_addr = str(node.wait_for_log(_P2P, ready_timeout).group(1))

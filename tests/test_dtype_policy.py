@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,7 +16,7 @@ from node.native import KernelLoad, load_kernels
 from node.runner import kernels as kernel_layers
 from node.runner.dtype import apply_dtype_policy
 from node.runner.engine import load_model
-from tests.model_factory import dequantized_copy, make_random_model, quantized_copy
+from tests.model_factory import dequantized_copy, make_random_model, quantized_copy, write_model_folder
 
 NO_KERNELS = KernelLoad(None, "kernels left out by the test")
 needs_kernels = pytest.mark.skipif(
@@ -52,13 +52,11 @@ def float32_twin(bf16_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """The bf16 model's weights upcast to float32 (a 16-bit "quantization" is just the dtype)."""
     weights = mx.load(str(bf16_model / "model.safetensors"))
     assert isinstance(weights, dict)
-    dst = tmp_path_factory.mktemp("models") / "f32"
-    dst.mkdir()
-    mx.save_safetensors(str(dst / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()})
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (bf16_model / name).is_file():
-            shutil.copyfile(bf16_model / name, dst / name)
-    return dst
+    config = json.loads((bf16_model / "config.json").read_text())
+    f32 = {k: v.astype(mx.float32) for k, v in weights.items()}
+    return write_model_folder(
+        tmp_path_factory.mktemp("models") / "f32", f32, config, tokenizer_from=bf16_model
+    )
 
 
 @needs_kernels

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from node.native import load_kernels
@@ -97,7 +98,7 @@ def kv_slices(hkv: int, S: int, D: int, capacity: int = 768) -> tuple[mx.array, 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (32, 8)])
 @pytest.mark.parametrize("S", [1, 80, 513])
-@pytest.mark.parametrize(("L", "mask"), [(1, None), (3, "causal"), (1, "causal"), (3, None)])
+@pytest.mark.parametrize(("L", "mask"), [(1, None), (3, "causal"), (1, "causal"), (3, None), (70, "causal")])
 def test_sdpa(hq: int, hkv: int, S: int, L: int, mask: str | None) -> None:
     D = 64
     q = mx.random.normal((1, L, hq, D)).transpose(0, 2, 1, 3)
@@ -135,7 +136,7 @@ def counting(kernels: ModuleType) -> tuple[ModuleType, Counter[str]]:
 
         return call
 
-    for name in OPS:
+    for name in (*OPS, "silu"):
         setattr(module, name, counted(name, getattr(kernels, name)))
     module.fused_kernel_name = kernels.fused_kernel_name  # type: ignore[attr-defined]
     return module, calls
@@ -145,6 +146,7 @@ def test_install_routes_and_falls_back() -> None:
     assert KERNELS is not None
     module, calls = counting(KERNELS)
     originals = [getattr(mx.fast, name) for name in OPS]
+    original_silu = nn.silu
     described = install_fused_ops(module)
     assert "fused" in described and install_fused_ops(module) == described  # idempotent
     x = mx.random.normal((1, 1, 64))
@@ -153,13 +155,17 @@ def test_install_routes_and_falls_back() -> None:
     mx.fast.rope(q, 16, traditional=False, base=10000.0, scale=1.0, offset=3)
     mx.fast.scaled_dot_product_attention(q, q, q, scale=0.25, mask="causal")
     assert calls == Counter(OPS)
-    # Not covered: 16-bit activations, prefill-sized attention, a string mask other than causal.
+    big = mx.random.normal((3, 4096)) * 6
+    assert close(nn.silu(big), original_op("silu")(big))
+    assert calls == Counter((*OPS, "silu"))
+    # Not covered: 16-bit activations.
     mx.fast.rms_norm(x.astype(mx.float16), None, 1e-6)
-    long_q = mx.random.normal((1, 4, 16, 16))
-    mx.fast.scaled_dot_product_attention(long_q, long_q, long_q, scale=0.25, mask="causal")
-    assert calls == Counter(OPS)
+    half_q = q.astype(mx.float16)
+    mx.fast.scaled_dot_product_attention(half_q, half_q, half_q, scale=0.25, mask="causal")
+    nn.silu(big.astype(mx.float16))
+    assert calls == Counter((*OPS, "silu"))
     uninstall_fused_ops()
-    assert [getattr(mx.fast, name) for name in OPS] == originals
+    assert [getattr(mx.fast, name) for name in OPS] == originals and nn.silu is original_silu
 
 
 def greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], mx.array]:
@@ -198,6 +204,7 @@ def test_model_tokens_unchanged(builtin_model_dir: Path, tmp_path: Path) -> None
     assert got_tokens == want_tokens
     assert bool(mx.allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4).item())
     layers = 2  # every layer's two norms, two ropes and attention, 13 forwards, + the final norm
+    del calls["silu"]  # swiglu is compiled: silu runs once per trace, whenever that was
     assert calls == Counter(
         {
             "rms_norm": 13 * (2 * layers + 1),

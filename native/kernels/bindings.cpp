@@ -30,5 +30,6 @@ NB_MODULE(_kernels, m) {
   m.def("scaled_dot_product_attention", &shoal::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
         "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
         "mx.fast.scaled_dot_product_attention on the CPU, rows split over the pool; float32 out.");
+  m.def("silu", &shoal::silu, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "nn.silu on the CPU in one pass.");
   m.def("fused_kernel_name", [] { return std::string(shoal::active_fused().name); });
 }

@@ -128,7 +128,8 @@ void portable_softmax(float* x, int n, float sink) {
 }  // namespace
 
 const FusedKernels& portable_fused() {
-  static const FusedKernels kernels{"portable", portable_qk, portable_pv, portable_sumsq, portable_softmax};
+  static const FusedKernels kernels{"portable", portable_qk, portable_pv, portable_sumsq, portable_softmax,
+                                    portable_silu};
   return kernels;
 }
 

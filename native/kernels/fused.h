@@ -27,7 +27,11 @@ struct FusedKernels {
   float (*sumsq)(const float* x, int n);
   // x = softmax(x) in place, max subtracted; a sink (-inf: none) adds exp(sink) to the denominator.
   void (*softmax)(float* x, int n, float sink);
+  // out[i] = x[i] * sigmoid(x[i]) for i < n (activation.cpp).
+  void (*silu)(const float* x, long n, float* out);
 };
+
+void portable_silu(const float* x, long n, float* out);
 
 const FusedKernels& portable_fused();
 // The AVX2+FMA loops, or nullptr when this build has none.
@@ -87,6 +91,19 @@ class FusedSDPA : public mx::Primitive {
   MaskKind mask_;
   bool sinks_;
 };
+
+class FusedSiLU : public mx::Primitive {
+ public:
+  explicit FusedSiLU(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override { no_gpu(name()); }
+  const char* name() const override { return "ShoalSiLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+// nn.silu: x * sigmoid(x), elementwise, float32 out.
+mx::array silu(const mx::array& x, mx::StreamOrDevice s = {});
 
 // mx.fast.rms_norm: x * rsqrt(mean(x^2, -1) + eps) * weight, weight [D] or absent.
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps,

@@ -135,10 +135,23 @@ void softmax(float* x, int n, float sink) {
 
 float sumsq(const float* x, int n) { return dot(x, x, n); }
 
+// x * sigmoid(x) with e = exp(-|x|): x / (1 + e) for x >= 0, x * e / (1 + e) below (no overflow).
+void silu(const float* x, long n, float* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  long i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(v, sign));  // exp(-|x|)
+    const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), v);  // sign bit set: x * e
+    _mm256_storeu_ps(out + i, _mm256_div_ps(num, _mm256_add_ps(one, e)));
+  }
+  if (i < n) portable_silu(x + i, n - i, out + i);
+}
+
 }  // namespace
 
 const FusedKernels* avx2_fused() {
-  static const FusedKernels kernels{"avx2", qk, pv, sumsq, softmax};
+  static const FusedKernels kernels{"avx2", qk, pv, sumsq, softmax, silu};
   return &kernels;
 }
 

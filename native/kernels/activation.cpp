@@ -1,0 +1,46 @@
+// SiLU as one pass: MLX's CPU sigmoid is scalar (~20 ns an element here), and a prefill MLP's
+// silu(gate) over 512 x 8192 values cost as much as its three matrix products' tiles of sgemm.
+#include <cmath>
+#include <vector>
+
+#include "fused.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
+
+namespace shoal {
+
+namespace {
+constexpr long kParallelMin = 1l << 16;  // below 64 K values one thread beats waking another
+constexpr int kTasksPerThread = 4;
+}  // namespace
+
+void portable_silu(const float* x, long n, float* out) {
+  for (long i = 0; i < n; i++) out[i] = x[i] / (1.0f + std::exp(-x[i]));
+}
+
+mx::array silu(const mx::array& x, mx::StreamOrDevice s) {
+  auto in = mx::contiguous(mx::astype(x, mx::float32, s), false, s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<FusedSiLU>(mx::to_stream(s)), {in});
+}
+
+void FusedSiLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& x = inputs[0];
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_output_array(out);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), y = out.data<float>(), n = static_cast<long>(x.size())]() {
+    const float* src = x.data<float>();
+    const FusedKernels& k = active_fused();
+    Pool& pool = Pool::instance();
+    const int tasks = n < kParallelMin ? 1 : pool.threads() * kTasksPerThread;
+    const long per = (n + tasks - 1) / tasks / 8 * 8 + 8;
+    pool.run(tasks, [&](int t) {
+      const long lo = t * per, hi = std::min(n, lo + per);
+      if (lo < hi) k.silu(src + lo, hi - lo, y + lo);
+    });
+  });
+}
+
+}  // namespace shoal
