@@ -86,6 +86,11 @@ inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
   return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)), _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
 }
 
+// Lane indices that repeat each of 8 values 2 (groups of 64) or 4 times (groups of 128).
+alignas(32) constexpr int kRepeat2[2][8] = {{0, 0, 1, 1, 2, 2, 3, 3}, {4, 4, 5, 5, 6, 6, 7, 7}};
+alignas(32) constexpr int kRepeat4[4][8] = {
+    {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
+
 // Chunks c and c + 1 of one weight row against MB rows of xq (row stride K), added to `into`.
 template <int BITS, int MB>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
@@ -130,15 +135,21 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, cons
   for (int m = 0; m < MB; m++) {
     const float* xs = a.xscale + static_cast<long>(m0 + m) * groups;
     float* out = sxc + m * chunks;
-    if (per_group == 1) {
-      int g = 0;
-      for (; g + 8 <= groups; g += 8)
-        _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g)));
-      for (; g < groups; g++) out[g] = s[g] * xs[g];
-    } else {
-      for (int g = 0; g < groups; g++)
-        for (int c = 0; c < per_group; c++) out[g * per_group + c] = s[g] * xs[g];
+    int g = 0;
+    for (; g + 8 <= groups; g += 8) {  // 8 groups' products, each repeated for its chunks
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g));
+      if (per_group == 1) {
+        _mm256_storeu_ps(out + g, v);
+        continue;
+      }
+      const int(*lanes)[8] = per_group == 2 ? kRepeat2 : kRepeat4;
+      for (int j = 0; j < per_group; j++) {
+        const __m256i index = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[j]));
+        _mm256_storeu_ps(out + g * per_group + j * 8, _mm256_permutevar8x32_ps(v, index));
+      }
     }
+    for (; g < groups; g++)
+      for (int c = 0; c < per_group; c++) out[g * per_group + c] = s[g] * xs[g];
   }
   // acc0 takes pairs 0, 2, 4, ..., acc1 pairs 1, 3, ...: the loop is unrolled so that both stay in
   // registers (indexing one array by the pair's parity kept them on the stack).
@@ -220,12 +231,17 @@ void avx2_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int 
   const int groups = affine ? a.groups : 0;
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(2) * groups + static_cast<size_t>(4) * (w.K / 32) + 8);
-  float *s = buffer.data(), *b = s + groups, *sx = b + groups;
+  float *s_buf = buffer.data(), *b_buf = s_buf + groups, *sx = b_buf + groups;
+  const float *s = s_buf, *b = b_buf;
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
-    if (affine) {
-      to_floats(w.scales, w.scale_type, static_cast<long>(n) * groups, groups, s);
-      to_floats(w.biases, w.scale_type, static_cast<long>(n) * groups, groups, b);
+    const long at = static_cast<long>(n) * groups;
+    if (affine && w.scale_type == ScaleType::F32) {  // float32 scales are read where they are
+      s = static_cast<const float*>(w.scales) + at;
+      b = static_cast<const float*>(w.biases) + at;
+    } else if (affine) {
+      to_floats(w.scales, w.scale_type, at, groups, s_buf);
+      to_floats(w.biases, w.scale_type, at, groups, b_buf);
     }
     for (int m0 = 0; m0 < a.M; m0 += 4) {
       switch (a.M - m0 < 4 ? a.M - m0 : 4) {
