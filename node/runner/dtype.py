@@ -191,7 +191,8 @@ def _to_float32(model: nn.Module, quantized: list[tuple[str, Any]]) -> None:
 
 
 def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """False when the user turned the fast path off (`--no-fast-path` sets SHOAL_FAST_PATH=0)."""
+    """False when the user turned the fast path off: `--no-fast-path` puts SHOAL_KERNELS=0 in the
+    runner's environment (`node.runner.fastpath.decide`); SHOAL_FAST_PATH=0 does the same."""
     environ = os.environ if environ is None else environ
     off = ("0", "off", "no", "false")
     return all(
