@@ -1,10 +1,11 @@
 // AVX2 + FMA + F16C kernels. This file alone is compiled with -mavx2 -mfma -mf16c; the library
 // calls into it only when the CPU says it has all three (__builtin_cpu_supports at run time).
 //
-// Small-batch affine products: each 32-weight chunk is unpacked once to int16 and multiplied
-// with the int16 activations of every row of x by `vpmaddwd` (16 products a step); the int32
-// sums of a group are scaled once per group. Each output element is computed the same way
-// whatever the number of rows, so a sequence gives the same bits alone or in a batch.
+// Small-batch affine products: the weights are read as 16-bit lanes and their 4-bit or 8-bit
+// values taken apart with shifts and masks (no shuffles: those share two ports with the shifts),
+// each multiplied with the int16 activations of every row of x by `vpmaddwd` (16 products a
+// step); the int32 sums of a 32-weight chunk are scaled once. Each output element is computed the
+// same way whatever the number of rows, so a sequence gives the same bits alone or in a batch.
 #include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -67,23 +68,24 @@ inline float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
-// The int32 products of one 32-weight chunk (8-bit: natural order; 4-bit: a chunk without a pair,
-// its 16 even then 16 odd values in xq) with one row of xq.
+// The int32 products of one 32-weight chunk with one row of xq, in its affine_position order:
+// 8-bit, 8 lanes; 4-bit (a chunk without a pair), 4 lanes in the low half.
 template <int BITS>
 inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
-  __m256i lo, hi;
-  if constexpr (BITS == 4) {
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-  } else {
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-    lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
-    hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
-  }
   const __m256i* x = reinterpret_cast<const __m256i*>(xq);
-  return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)), _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)), mask = _mm_set1_epi16(0x0f);
+    const __m128i* x4 = reinterpret_cast<const __m128i*>(xq);
+    __m128i sum = _mm_madd_epi16(_mm_and_si128(v, mask), _mm_loadu_si128(x4));
+    sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_loadu_si128(x4 + 1)));
+    sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 8), mask), _mm_loadu_si128(x4 + 2)));
+    sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_srli_epi16(v, 12), _mm_loadu_si128(x4 + 3)));
+    return _mm256_zextsi128_si256(sum);
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0xff)), _mm256_loadu_si256(x)),
+                            _mm256_madd_epi16(_mm256_srli_epi16(v, 8), _mm256_loadu_si256(x + 1)));
+  }
 }
 
 // Lane indices that repeat each of 8 values 2 (groups of 64) or 4 times (groups of 128).
@@ -96,12 +98,11 @@ template <int BITS, int MB>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
                                                      int chunks, int c, __m256* into) {
   constexpr int chunk_bytes = 32 * BITS / 8;
-  if constexpr (BITS == 4) {  // both chunks' 32 bytes: lane 0 chunk c, lane 1 chunk c + 1
-    const __m256i mask = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
-    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    __m256i q0 = _mm256_unpacklo_epi8(lo, zero), q1 = _mm256_unpackhi_epi8(lo, zero);
-    __m256i q2 = _mm256_unpacklo_epi8(hi, zero), q3 = _mm256_unpackhi_epi8(hi, zero);
+  if constexpr (BITS == 4) {  // both chunks' 32 bytes as 16 lanes of 4 nibbles
+    const __m256i mask = _mm256_set1_epi16(0x0f);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
+    const __m256i q0 = _mm256_and_si256(v, mask), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask), q3 = _mm256_srli_epi16(v, 12);
     for (int m = 0; m < MB; m++) {
       const __m256i* x = reinterpret_cast<const __m256i*>(xq + static_cast<long>(m) * K + c * 32);
       const float* sx = sxc + m * chunks + c;
@@ -113,12 +114,19 @@ __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const i
       __m256 scale = _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx));
       into[m] = _mm256_fmadd_ps(f, scale, into[m]);
     }
-  } else {
+  } else {  // each chunk's 32 bytes as 16 lanes of 2 bytes
+    const __m256i mask = _mm256_set1_epi16(0xff);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (c + 1) * chunk_bytes));
+    const __m256i e0 = _mm256_and_si256(v0, mask), o0 = _mm256_srli_epi16(v0, 8);
+    const __m256i e1 = _mm256_and_si256(v1, mask), o1 = _mm256_srli_epi16(v1, 8);
     for (int m = 0; m < MB; m++) {
-      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
+      const __m256i* x = reinterpret_cast<const __m256i*>(xq + static_cast<long>(m) * K + c * 32);
       const float* sx = sxc + m * chunks + c;
-      __m256 f0 = _mm256_cvtepi32_ps(chunk_product<8>(row + c * chunk_bytes, x));
-      __m256 f1 = _mm256_cvtepi32_ps(chunk_product<8>(row + (c + 1) * chunk_bytes, x + 32));
+      __m256 f0 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256(x)),
+                                                      _mm256_madd_epi16(o0, _mm256_loadu_si256(x + 1))));
+      __m256 f1 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(e1, _mm256_loadu_si256(x + 2)),
+                                                      _mm256_madd_epi16(o1, _mm256_loadu_si256(x + 3))));
       into[m] = _mm256_fmadd_ps(f1, _mm256_broadcast_ss(sx + 1), _mm256_fmadd_ps(f0, _mm256_broadcast_ss(sx), into[m]));
     }
   }
@@ -306,16 +314,18 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   }
 }
 
-// Where each of the 64 values of a 4-bit chunk pair goes (affine4_position within a pair).
-struct PairOrder {
+// Where each of 64 consecutive values goes (affine_position within a 4-bit pair, or within two
+// 8-bit chunks).
+struct SpanOrder {
   uint8_t at[64];
-  PairOrder() {
-    for (int j = 0; j < 64; j++) at[j] = static_cast<uint8_t>(affine4_position(j, 64));
+  explicit SpanOrder(Format format) {
+    for (int j = 0; j < 64; j++) at[j] = static_cast<uint8_t>(affine_position(j, 64, format));
   }
 };
 
 void avx2_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
-  static const PairOrder order;
+  static const SpanOrder order4(Format::Affine4), order8(Format::Affine8);
+  const SpanOrder& order = w.format == Format::Affine4 ? order4 : order8;
   const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   alignas(32) int16_t natural[64];
@@ -340,17 +350,16 @@ void avx2_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* x
         __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inv));
         __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i + 8), inv));
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
-        int16_t* dst = w.format == Format::Affine4 ? natural + ((g * gs + i) & 63) : qr + g * gs + i;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
-        if (w.format == Format::Affine4 && ((g * gs + i + 16) & 63) == 0) {  // a pair of chunks is done
-          int16_t* pair = qr + (g * gs + i + 16 - 64);
-          for (int j = 0; j < 64; j++) pair[order.at[j]] = natural[j];
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural + ((g * gs + i) & 63)), packed);
+        if (((g * gs + i + 16) & 63) == 0) {  // 64 values (two chunks) are done
+          int16_t* span = qr + (g * gs + i + 16 - 64);
+          for (int j = 0; j < 64; j++) span[order.at[j]] = natural[j];
         }
       }
     }
-    if (w.format == Format::Affine4 && (chunks & 1)) {  // the last chunk without a pair
+    if (chunks & 1) {  // the last chunk without a pair
       int16_t* last = qr + (chunks - 1) * 32;
-      for (int j = 0; j < 32; j++) last[(j & 1) * 16 + (j >> 1)] = natural[j];
+      for (int j = 0; j < 32; j++) last[affine_position(j, 32, w.format)] = natural[j];
     }
   }
 }

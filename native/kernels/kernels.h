@@ -35,7 +35,7 @@ struct Weights {
 struct Acts {
   int M, K, groups;
   const float* x;       // M x K, row-major
-  const int16_t* xq;    // M x K; for Affine4 in the order the kernel unpacks nibbles: affine4_position
+  const int16_t* xq;    // M x K, in the order the kernel unpacks the weights: affine_position
   const float* xscale;  // M x groups: x = xq * xscale within a group
   const float* xsum;    // M x groups: the sum of x over the group (exact floats)
 };
@@ -62,11 +62,14 @@ const Kernels* avx2_kernels();
 
 // Scales and biases of row n as floats (shared by every kernel).
 void row_scales(const Weights& w, int n, float* scales, float* biases);
-// Where x[k] goes in a row of Acts::xq for Affine4. Pairs of 32-weight chunks (c, c + 1) are
-// read as one 32-byte vector whose nibbles are widened in-lane (vpunpck*bw): its four 16-value
-// blocks are (evens 0-14, evens 16-30, odds 1-15, odds 17-31), each with 8 values of c then 8 of
-// c + 1. A last chunk without a pair holds its 16 even then 16 odd values.
-int affine4_position(int k, int K);
+// Where x[k] goes in a row of Acts::xq. The kernels read weights as 16-bit lanes and take their
+// values apart with shifts and masks, never shuffles, so each value lands in the lane it was in:
+// - Affine4: a pair of 32-weight chunks (c, c + 1) is 16 lanes of 4 nibbles, lane i holding
+//   weights 4i .. 4i + 3 of the pair; nibble j of every lane makes one vector, so the pair's 64
+//   activations are 4 blocks of 16, block j = the weights 4i + j. A last chunk without a pair:
+//   4 blocks of 8.
+// - Affine8: a chunk is 16 lanes of 2 bytes; its 32 activations are the 16 evens, then the odds.
+int affine_position(int k, int K, Format format);
 // The portable `prepare`: plain C++, one value at a time.
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 

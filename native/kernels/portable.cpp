@@ -100,11 +100,12 @@ void portable_dequant(const Weights& w, int n0, int n1, float* out) {
 
 }  // namespace
 
-int affine4_position(int k, int K) {
-  const int chunk = k / 32, j = k % 32, parity = j & 1, index = j >> 1;
-  if ((chunk | 1) >= K / 32) return chunk * 32 + parity * 16 + index;  // a last chunk without a pair
-  const int pair = chunk & ~1, h = chunk & 1, block = parity * 2 + (index >> 3);
-  return pair * 32 + block * 16 + h * 8 + (index & 7);
+int affine_position(int k, int K, Format format) {
+  const int chunk = k / 32, j = k % 32;
+  if (format != Format::Affine4) return chunk * 32 + (j & 1) * 16 + (j >> 1);
+  if ((chunk | 1) >= K / 32) return chunk * 32 + (j & 3) * 8 + (j >> 2);  // a last chunk without a pair
+  const int e = k % 64;  // within the pair
+  return (chunk & ~1) * 32 + (e & 3) * 16 + (e >> 2);
 }
 
 void row_scales(const Weights& w, int n, float* scales, float* biases) {
@@ -119,7 +120,7 @@ void row_scales(const Weights& w, int n, float* scales, float* biases) {
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs;
   std::vector<int> position(K);
-  for (int k = 0; k < K; k++) position[k] = w.format == Format::Affine4 ? affine4_position(k, K) : k;
+  for (int k = 0; k < K; k++) position[k] = affine_position(k, K, w.format);
   for (int m = 0; m < M; m++) {
     const float* xr = x + static_cast<long>(m) * K;
     int16_t* qr = xq + static_cast<long>(m) * K;
