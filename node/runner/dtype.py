@@ -40,6 +40,7 @@ from node.runner.kernels import (
     KernelQuantizedLinear,
     kernel_layer,
 )
+from node.runner.layer_eval import evaluate_layers_in_prefill
 
 log = logging.getLogger("shoal.runner")
 
@@ -219,6 +220,7 @@ def apply_dtype_policy(
         message = f"weights: {stored} as stored (on the GPU the stored dtype is fastest)"
         decision = DtypeDecision(False, stored, message)
     else:
+        evaluate_layers_in_prefill(model)  # prefill's peak memory: one layer's, not a chunk's graph
         if kernels is None:
             kernels = load_kernels() if kernels_enabled() else KernelLoad(None, "turned off by configuration")
         if kernels.module is not None:
