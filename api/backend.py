@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView
-from protocol.control_wire import ControlAnswer
+from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
 from protocol.ids import ModelId, RequestId
 
@@ -53,11 +53,11 @@ class Backend(Protocol):
         """The model instances of the whole cluster."""
         ...
 
-    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> ControlAnswer:
+    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
         """Ask the leader to place `model` (on `nodes` nodes if given); `preview` only plans."""
         ...
 
-    async def delete_instance(self, instance_id: str) -> ControlAnswer: ...
+    async def delete_instance(self, instance_id: str) -> DeleteOutcome: ...
 
     def cluster(self) -> ClusterView:
         """This node's current picture of the cluster, for `GET /v1/cluster`."""

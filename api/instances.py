@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, assert_never
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -11,7 +11,17 @@ from starlette.routing import Route
 
 from api.backend import Backend
 from api.errors import ApiError, from_validation
-from protocol.control_wire import ControlAnswer
+from protocol.cluster_view import InstanceView
+from protocol.control_wire import (
+    Deleted,
+    DeleteOutcome,
+    Exists,
+    Invalid,
+    NotFound,
+    Placed,
+    PlaceOutcome,
+    Unavailable,
+)
 
 
 class PlaceBody(BaseModel):
@@ -20,21 +30,36 @@ class PlaceBody(BaseModel):
     nodes: int | None = Field(default=None, ge=1, le=256)
 
 
-_CODES = {404: "model_not_found", 422: "insufficient_memory"}
+def _instance(view: InstanceView, status: int, stage_bytes: tuple[int, ...] = ()) -> Response:
+    body: dict[str, Any] = {"object": "instance", **view.model_dump(mode="json")}
+    if stage_bytes:
+        body["stage_bytes"] = list(stage_bytes)
+    return JSONResponse(body, status_code=status)
 
 
-def _answer(answer: ControlAnswer) -> Response:
-    """A control answer as HTTP: the instance (and its bytes per stage), or the error it carries."""
-    if answer.instance is not None and answer.status < 300:
-        body: dict[str, Any] = {"object": "instance", **answer.instance.model_dump(mode="json")}
-        if answer.stage_bytes:
-            body["stage_bytes"] = list(answer.stage_bytes)
-        return JSONResponse(body, status_code=answer.status)
-    message = answer.error or "the leader could not answer"
-    if 400 <= answer.status < 500 and answer.status != 409:
-        raise ApiError(answer.status, message, param="model", code=_CODES.get(answer.status))
-    # No leader yet, leader unreachable or changed while answering: worth retrying.
-    raise ApiError(503, message, code="leader_unavailable")
+def outcome_response(outcome: PlaceOutcome | DeleteOutcome) -> Response:
+    """The leader's outcome as HTTP: the instance (201 when just written), or the error it carries.
+
+    The one place where control outcomes get HTTP statuses; `Unavailable` (no leader yet, leader
+    unreachable or changed while answering) is a 503: worth retrying.
+    """
+    match outcome:
+        case Placed():
+            return _instance(outcome.instance, 200 if outcome.preview else 201, outcome.stage_bytes)
+        case Exists() | Deleted():
+            return _instance(outcome.instance, 200)
+        case NotFound(kind="instance"):
+            raise ApiError(404, outcome.reason, param="instance_id", code="instance_not_found")
+        case NotFound():
+            raise ApiError(404, outcome.reason, param="model", code="model_not_found")
+        case Invalid(kind="does_not_fit"):
+            raise ApiError(422, outcome.reason, param="model", code="insufficient_memory")
+        case Invalid():
+            raise ApiError(400, outcome.reason, param="model")
+        case Unavailable():
+            raise ApiError(503, outcome.reason, code="leader_unavailable")
+        case _:
+            assert_never(outcome)
 
 
 class InstanceRoutes:
@@ -58,20 +83,14 @@ class InstanceRoutes:
             body = PlaceBody.model_validate_json(await request.body())
         except ValidationError as exc:
             raise from_validation(exc) from None
-        return _answer(await self._backend.place_instance(body.model, body.nodes, preview=False))
+        return outcome_response(await self._backend.place_instance(body.model, body.nodes, preview=False))
 
     async def preview(self, request: Request) -> Response:
         try:
             body = PlaceBody.model_validate(dict(request.query_params))
         except ValidationError as exc:
             raise from_validation(exc) from None
-        return _answer(await self._backend.place_instance(body.model, body.nodes, preview=True))
+        return outcome_response(await self._backend.place_instance(body.model, body.nodes, preview=True))
 
     async def delete(self, request: Request) -> Response:
-        instance_id = request.path_params["instance_id"]
-        answer = await self._backend.delete_instance(instance_id)
-        if answer.status == 404:
-            raise ApiError(
-                404, answer.error or "no such instance", param="instance_id", code="instance_not_found"
-            )
-        return _answer(answer)
+        return outcome_response(await self._backend.delete_instance(request.path_params["instance_id"]))

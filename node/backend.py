@@ -15,10 +15,11 @@ from typing import Any, Protocol
 
 from api.backend import ModelCard
 from node.cluster import ClusterService
-from node.instances import InstanceManager, instance_view
+from node.instances import InstanceManager
+from node.leader_control import instance_view
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView
-from protocol.control_wire import ControlAnswer, DeleteInstance
+from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, GenerationError
 from protocol.ids import RequestId
 
@@ -95,11 +96,11 @@ class NodeBackend:
     def instances(self) -> Sequence[InstanceView]:
         return [instance_view(record) for record in self._instances.records()]
 
-    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> ControlAnswer:
+    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
         return await self._instances.request_instance(model, nodes, preview=preview)
 
-    async def delete_instance(self, instance_id: str) -> ControlAnswer:
-        return await self._instances.ask_leader(DeleteInstance(instance_id=instance_id))
+    async def delete_instance(self, instance_id: str) -> DeleteOutcome:
+        return await self._instances.delete_instance(instance_id)
 
     def health(self) -> dict[str, Any]:
         return {

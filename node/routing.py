@@ -1,15 +1,15 @@
 """Generations across nodes: a request accepted on any node runs on its instance's entry node.
 
 - `serve_generations(mesh, open_stream, cancel)`: this node runs generations for its peers. For
-  each channel on `/shoal/generate/1.0.0` it reads one `Generate`, enters `open_stream(request)`
+  each channel on `/shoal/generate/1.0.0` it reads one `RemoteGenerate`, enters `open_stream(request)`
   (this node's own runner) and sends every event back as it comes, plus a `KeepAlive` whenever it
-  has been silent for `keepalive_interval_s`. A `Cancel` frame calls `cancel(request_id)`, so the
+  has been silent for `keepalive_interval_s`. A `RemoteCancel` frame calls `cancel(request_id)`, so the
   runner's own `Finish(cancelled)` goes back; the requester closing its side, resetting or
   vanishing (or that Finish not coming within `cancel_grace_s`) leaves the stream's context,
   which cancels the generation in the runner.
 - `RemoteGenerations(mesh).open_stream(entry_node_id, request)`: the requester's side, with the
   semantics of `RunnerSupervisor.open_stream`: it yields the entry node's events up to the
-  terminal one, and leaving the context early sends `Cancel` and closes the channel. It never
+  terminal one, and leaving the context early sends `RemoteCancel` and closes the channel. It never
   raises for a peer's failure and never hangs: a node that is not connected, dies (connection
   closed), sends garbage or stays silent (not even a keep-alive) for `idle_timeout_s` ends the
   stream with one `GenerationError(server_error, code="node_unavailable")` naming the node.
@@ -39,11 +39,11 @@ from protocol.events import ChunkEvent, GenerationError, is_terminal
 from protocol.generate_wire import (
     GENERATE_PROTOCOL,
     MAX_MESSAGE_BYTES,
-    Cancel,
     Event,
-    Generate,
     GenerateWireError,
     KeepAlive,
+    RemoteCancel,
+    RemoteGenerate,
     decode_entry_message,
     decode_requester_message,
     encode,
@@ -55,7 +55,7 @@ log = logging.getLogger("shoal.routing")
 UNAVAILABLE = "node_unavailable"
 """`GenerationError.code` when the entry node could not be reached or broke off."""
 _KEEP_ALIVE = encode(KeepAlive())
-_CANCEL = encode(Cancel())
+_CANCEL = encode(RemoteCancel())
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,12 @@ class RoutingConfig:
     loaded node is no false alarm) means the entry node is frozen. Also bounds opening the channel.
     A client thus hears of a frozen node within ~3 s, of a dead one at once."""
     request_timeout_s: float = 5.0
-    """Entry node: the Generate frame must arrive this soon after the channel opens."""
+    """Entry node: the RemoteGenerate frame must arrive this soon after the channel opens."""
     cancel_grace_s: float = 2.0
-    """Entry node, after a Cancel: how long it keeps streaming so that the runner's own
+    """Entry node, after a RemoteCancel: how long it keeps streaming so that the runner's own
     `Finish(cancelled)` reaches the requester, before it leaves the stream (which cancels anyway)."""
     close_timeout_s: float = 1.0
-    """Requester: sending Cancel and closing on an early exit, even inside a cancelled scope."""
+    """Requester: sending RemoteCancel and closing on an early exit, even inside a cancelled scope."""
 
 
 OpenStream = Callable[[GenerateRequest], AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]]
@@ -91,7 +91,7 @@ class ServerStats:
     requester_gone: int = 0
     """Generations left before their end because the requester closed, cancelled or vanished."""
     bad_requests: int = 0
-    """Channels dropped because the first frame was missing, late or not a valid Generate."""
+    """Channels dropped because the first frame was missing, late or not a valid RemoteGenerate."""
 
 
 class GenerationServer:
@@ -111,7 +111,7 @@ class GenerationServer:
             log.debug("dropped a generate channel from %s: %s", peer_id, exc)
             await channel.reset()
             return
-        if not isinstance(message, Generate):
+        if not isinstance(message, RemoteGenerate):
             self.stats.bad_requests += 1
             await channel.reset()
             return
@@ -165,7 +165,7 @@ class GenerationServer:
     async def _watch_requester(
         self, channel: Channel, request_id: RequestId, generation: trio.CancelScope
     ) -> None:
-        """Leave the generation when the requester goes away; pass a Cancel on to the runner."""
+        """Leave the generation when the requester goes away; pass a RemoteCancel on to the runner."""
         while True:
             try:
                 message = decode_requester_message(await channel.receive())
@@ -173,8 +173,8 @@ class GenerationServer:
                 log.debug("requester of %s: %s", request_id, exc)
                 generation.cancel()
                 return
-            if not isinstance(message, Cancel):
-                generation.cancel()  # a second Generate: a protocol violation
+            if not isinstance(message, RemoteCancel):
+                generation.cancel()  # a second RemoteGenerate: a protocol violation
                 return
             if self.cancel is None:
                 generation.cancel()
@@ -203,7 +203,7 @@ def serve_generations(
 ) -> GenerationServer:
     """Serve peers' generations from `open_stream` (which must run them on this node) from now on.
 
-    Without `cancel`, a requester's `Cancel` leaves the stream at once (the runner is cancelled
+    Without `cancel`, a requester's `RemoteCancel` leaves the stream at once (the runner is cancelled
     all the same), and the requester's stream ends with a `node_unavailable` error instead of
     `Finish(cancelled)`.
     """
@@ -291,7 +291,7 @@ class RemoteGenerations:
         self, node_id: str, request: GenerateRequest
     ) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
         try:
-            payload = encode(Generate(request=request))
+            payload = encode(RemoteGenerate(request=request))
         except GenerateWireError as exc:
             stream = _RemoteStream(node_id, None, self.config.idle_timeout_s)
             stream.fail_with(

@@ -1,9 +1,11 @@
-"""Control requests to the leader over `/shoal/control/1.0.0`: place, preview and delete instances.
+"""Control requests over `/shoal/control/2.0.0`: place, preview and delete instances; stage addresses.
 
 Any node accepts `POST /v1/instances`; it resolves the model itself (so it can read the model's shape)
-and forwards a `PlaceInstance` to the leader, which alone writes instance records. Encoded like the
-runner wire: pydantic messages as CBOR, one message per request or answer; bad bytes raise
-`ControlWireError` (the message is dropped, never a crash).
+and forwards a `PlaceInstance` to the leader, which alone writes instance records. The leader answers
+with an outcome (a tagged union: placed, exists, deleted, not found, invalid, unavailable, each with
+its reason); `api/` alone turns outcomes into HTTP statuses. Encoded like the runner wire: pydantic
+messages as CBOR, one message per request or answer; bad bytes raise `ControlWireError` (the message
+is dropped, never a crash). Message tags are append-only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.cluster_view import InstanceView
 from protocol.placement import ModelShape
 
-CONTROL_PROTOCOL = "/shoal/control/1.0.0"
+CONTROL_PROTOCOL = "/shoal/control/2.0.0"
+"""2.0.0: typed outcomes replaced 1.0.0's `ControlAnswer` with HTTP status codes; a node of the
+other version does not speak this protocol, and asking it reads as `Unavailable`."""
 MAX_CONTROL_BYTES = 1024 * 1024
 
 
@@ -36,14 +40,62 @@ class DeleteInstance(WireMessage):
     instance_id: str
 
 
-class ControlAnswer(WireMessage):
-    """`status` follows HTTP: 200/201 done, 404 unknown instance, 409 not leader, 422 does not fit."""
+# --- the leader's outcomes: what happened, never how HTTP would say it (that is `api/`'s job) ----
+class Placed(WireMessage):
+    """The leader wrote this instance; for a preview, the instance it would write."""
 
-    type: Literal["answer"] = "answer"
-    status: int
-    error: str | None = None
-    instance: InstanceView | None = None
+    type: Literal["placed"] = "placed"
+    instance: InstanceView
     stage_bytes: tuple[int, ...] = ()
+    """Bytes each stage needs, in stage order."""
+    preview: bool = False
+
+
+class Exists(WireMessage):
+    """The model already has an instance (one per model): this one; nothing was written."""
+
+    type: Literal["exists"] = "exists"
+    instance: InstanceView
+
+
+class Deleted(WireMessage):
+    """The leader removed this instance; its nodes stop its runners."""
+
+    type: Literal["deleted"] = "deleted"
+    instance: InstanceView
+
+
+class NotFound(WireMessage):
+    """The model does not resolve (`kind="model"`) or no instance has that id (`kind="instance"`)."""
+
+    type: Literal["not_found"] = "not_found"
+    kind: Literal["model", "instance"]
+    reason: str
+
+
+class Invalid(WireMessage):
+    """A request the leader will never grant as sent: the model does not fit the nodes alive
+    (`does_not_fit`), or the bytes were not a control request (`malformed`)."""
+
+    type: Literal["invalid"] = "invalid"
+    kind: Literal["does_not_fit", "malformed"]
+    reason: str
+
+
+class Unavailable(WireMessage):
+    """No leader could decide now (none yet, not or no longer the leader, no answer): ask again."""
+
+    type: Literal["unavailable"] = "unavailable"
+    kind: Literal["no_leader", "not_leader", "no_answer"]
+    reason: str
+
+
+PlaceOutcome = Placed | Exists | NotFound | Invalid | Unavailable
+"""What placing (or previewing) an instance can come to."""
+DeleteOutcome = Deleted | NotFound | Invalid | Unavailable
+"""What deleting an instance can come to."""
+PLACE_OUTCOMES = (Placed, Exists, NotFound, Invalid, Unavailable)
+DELETE_OUTCOMES = (Deleted, NotFound, Invalid, Unavailable)
 
 
 class StageAddress(WireMessage):
@@ -65,7 +117,16 @@ class StageAddressAnswer(WireMessage):
 
 
 ControlMessage = Annotated[
-    PlaceInstance | DeleteInstance | ControlAnswer | StageAddress | StageAddressAnswer,
+    PlaceInstance
+    | DeleteInstance
+    | Placed
+    | Exists
+    | Deleted
+    | NotFound
+    | Invalid
+    | Unavailable
+    | StageAddress
+    | StageAddressAnswer,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)

@@ -3,12 +3,13 @@
 One channel (node/net/channel.py: length-prefixed frames over one libp2p stream) per request,
 straight between the node that accepted the request and the instance's entry node:
 
-    requester -> entry node:  Generate, then at most one Cancel (or just closing its side)
+    requester -> entry node:  RemoteGenerate, then at most one RemoteCancel (or just closing its side)
     entry node -> requester:  any mix of KeepAlive and Event, up to the one terminal Event
                               (`Finish` or `GenerationError`); then it closes its side
 
 Each frame is one CBOR-encoded message, a tagged union of frozen pydantic models as in
-`runner_wire`. Sans-I/O: `encode`/`decode_*` only; `node/routing.py` moves the bytes.
+`runner_wire` (whose `Generate`/`Cancel` go from a node to its own runner: hence `Remote` here).
+Sans-I/O: `encode`/`decode_*` only; `node/routing.py` moves the bytes.
 The `type` tags are ONLY APPENDED: a node never reuses or renames one.
 """
 
@@ -29,14 +30,14 @@ conversation; events are small. A larger one is a protocol violation."""
 
 
 # Requester -> entry node.
-class Generate(WireMessage):
+class RemoteGenerate(WireMessage):
     """Run this request on your local model; the first message of every channel."""
 
     type: Literal["generate"] = "generate"
     request: GenerateRequest
 
 
-class Cancel(WireMessage):
+class RemoteCancel(WireMessage):
     """Stop the generation; the entry node keeps streaming until the runner's `Finish(cancelled)`."""
 
     type: Literal["cancel"] = "cancel"
@@ -55,7 +56,7 @@ class KeepAlive(WireMessage):
     type: Literal["keep_alive"] = "keep_alive"
 
 
-RequesterMessage = Annotated[Generate | Cancel, Field(discriminator="type")]
+RequesterMessage = Annotated[RemoteGenerate | RemoteCancel, Field(discriminator="type")]
 EntryMessage = Annotated[Event | KeepAlive, Field(discriminator="type")]
 _requester: TypeAdapter[RequesterMessage] = TypeAdapter(RequesterMessage)
 _entry: TypeAdapter[EntryMessage] = TypeAdapter(EntryMessage)
@@ -65,7 +66,7 @@ class GenerateWireError(ValueError):
     """Bytes that are not a valid message of this protocol (or a message over the size cap)."""
 
 
-def encode(message: Generate | Cancel | Event | KeepAlive) -> bytes:
+def encode(message: RemoteGenerate | RemoteCancel | Event | KeepAlive) -> bytes:
     return encode_cbor(message, limit=MAX_MESSAGE_BYTES, error=GenerateWireError)
 
 

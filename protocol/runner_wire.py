@@ -1,12 +1,11 @@
 """The wire between a node and its runner process: CBOR messages in length-prefixed frames.
 
-Sans-I/O (h11 style): `encode_frame` turns a message into bytes, `FrameDecoder` turns received bytes
-into messages. Whoever owns the pipe moves the bytes.
+Sans-I/O (h11 style): `encode_frame` turns a message into bytes, `MessageDecoder` turns received
+bytes into messages (frames by `protocol.framing`). Whoever owns the pipe moves the bytes.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
@@ -14,11 +13,11 @@ from pydantic import Field, TypeAdapter
 from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
+from protocol.framing import FrameDecoder, FrameError, encode
 from protocol.ids import RequestId
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """A frame bigger than this is a protocol violation, not a message."""
-_LENGTH = struct.Struct(">I")
 
 
 # Node -> runner.
@@ -65,36 +64,19 @@ RunnerMessage = Annotated[
 _adapter: TypeAdapter[RunnerMessage] = TypeAdapter(RunnerMessage)
 
 
-class FrameError(ValueError):
-    """The other side sent bytes that are not a valid frame or message."""
-
-
 def encode_frame(message: RunnerMessage) -> bytes:
-    body = encode_cbor(message, limit=MAX_FRAME_BYTES, error=FrameError)
-    return _LENGTH.pack(len(body)) + body
+    return encode(encode_cbor(message, limit=MAX_FRAME_BYTES, error=FrameError), MAX_FRAME_BYTES)
 
 
 def decode_message(body: bytes) -> RunnerMessage:
     return decode_cbor(_adapter, body, limit=MAX_FRAME_BYTES, error=FrameError, what="runner message")
 
 
-class FrameDecoder:
-    """Accumulates bytes and yields each complete message."""
+class MessageDecoder:
+    """Accumulates bytes and yields each complete message; `FrameError` for bad frames or messages."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._frames = FrameDecoder(MAX_FRAME_BYTES)
 
     def feed(self, data: bytes) -> list[RunnerMessage]:
-        self._buffer += data
-        messages: list[RunnerMessage] = []
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES:
-                raise FrameError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-            end = _LENGTH.size + length
-            if len(self._buffer) < end:
-                break
-            body = bytes(self._buffer[_LENGTH.size : end])
-            del self._buffer[:end]
-            messages.append(decode_message(body))
-        return messages
+        return [decode_message(bytes(frame)) for frame in self._frames.feed(data)]

@@ -1,8 +1,8 @@
-"""Real meshes on 127.0.0.1 in one trio process: admission, gossip, requests, channels, restarts, bad frames.
+"""Real meshes on 127.0.0.1 in one trio process: admission, gossip, requests, restarts, bad frames.
 
-No mDNS here (tests/test_net_mdns.py does that in network namespaces); peers find each other
-through bootstrap addresses. Every wait is on an event or a bounded poll of a counter, inside
-`trio.fail_after`.
+No mDNS here (tests/test_net_mdns.py does that in network namespaces); channels are
+tests/test_net_channels.py, the framer tests/test_framing.py. Every wait is on an event or a bounded
+poll of a counter, inside `trio.fail_after`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ import math
 import random
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import multiaddr
@@ -24,99 +21,17 @@ from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from node.net import Gossip, Mesh, MeshConfig, RemoteError, RequestError, add_mesh_arguments, quirks
+from node.net import Gossip, RemoteError, RequestError, add_mesh_arguments, quirks
 from node.net import mesh as mesh_module
 from node.net.auth import derive_key
-from node.net.channel import Channel, ChannelClosed, ChannelError, ChannelTimeout
+from node.net.channel import Channel, ChannelError
 from node.net.config import mesh_config_from_args
-from node.net.framing import FrameBuffer, FrameTooLarge, FrameTruncated, encode_frame
 from node.net.identity import load_or_create_identity, peer_id_of
 from node.net.peers import Opened, PeerBook
+from protocol.framing import encode
+from tests.meshes import config, echo, gossip_until_received, poll, run, running, wait_connected
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def config(tmp_path: Path, name: str, **overrides: object) -> MeshConfig:
-    base = MeshConfig(
-        data_dir=tmp_path / name,
-        mdns=False,
-        listen_host="127.0.0.1",
-        redial_min_s=0.1,
-        redial_max_s=0.5,
-        auth_timeout_s=3.0,
-        dial_timeout_s=3.0,
-    )
-    return replace(base, **overrides)  # type: ignore[arg-type]
-
-
-@asynccontextmanager
-async def running(cfg: MeshConfig) -> AsyncIterator[Mesh]:
-    """A started Mesh, stopped (host closed) when the block ends."""
-    mesh = Mesh(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(mesh.run)
-        yield mesh
-        nursery.cancel_scope.cancel()
-
-
-async def wait_connected(mesh: Mesh, *peers: Mesh) -> None:
-    """Wait for `mesh` to have authenticated all `peers` (on its event channel)."""
-    want = {p.peer_id for p in peers}
-    while not want <= mesh.connected_peers():
-        await mesh.events.receive()
-
-
-async def poll(predicate: Callable[[], bool]) -> None:
-    """For counters that have no event: check every 10 ms (callers bound it with fail_after)."""
-    while not predicate():
-        await trio.sleep(0.01)
-
-
-async def gossip_until_received(
-    sender: Mesh, receivers: list[Mesh], tag: bytes, others: list[Gossip] | None = None
-) -> dict[str, float]:
-    """Publish `tag`+seq every 100 ms until each receiver got one; returns latency per receiver.
-
-    Gossip is best effort by design (GossipSub drops while a mesh forms), hence the re-publish.
-    Other messages received meanwhile are appended to `others`.
-    """
-    got: dict[str, float] = {}
-    sent_at: dict[bytes, float] = {}
-
-    async def receive(mesh: Mesh) -> None:
-        while True:
-            msg = await mesh.gossip.receive()
-            if not msg.data.startswith(tag) and others is not None:
-                others.append(msg)
-            if msg.data.startswith(tag):
-                assert msg.peer_id == sender.peer_id
-                got[mesh.peer_id] = trio.current_time() - sent_at[msg.data]
-                return
-
-    async with trio.open_nursery() as nursery:
-        for mesh in receivers:
-            nursery.start_soon(receive, mesh)
-        for seq in range(100):
-            if len(got) == len(receivers):
-                break
-            data = tag + b"#%d" % seq
-            sent_at[data] = trio.current_time()
-            await sender.publish(data)
-            with trio.move_on_after(0.1):
-                await poll(lambda: len(got) == len(receivers))
-    return got
-
-
-async def echo(peer_id: str, payload: bytes) -> bytes:
-    return b"echo:" + payload
-
-
-def run(fn: Callable[[], Awaitable[None]], limit_s: float = 60) -> None:
-    async def main() -> None:
-        with trio.fail_after(limit_s):
-            await fn()
-
-    trio.run(main)
 
 
 # --- the pure parts -----------------------------------------------------------------------------
@@ -142,26 +57,6 @@ def test_peer_book_transitions() -> None:
     book.connection_closed("p")
     book.forget_expired(now=100)
     assert book.refused_until("p") == -math.inf
-
-
-def test_frame_buffer_splits_any_chunking() -> None:
-    frames = [b"", b"a", b"x" * 300, b"last"]
-    wire = b"".join(encode_frame(f) for f in frames)
-    rng = random.Random(7)
-    for _ in range(50):
-        buffer, got, at = FrameBuffer(max_bytes=300), [], 0
-        while at < len(wire):
-            step = rng.randrange(1, 40)
-            got += buffer.feed(wire[at : at + step])
-            at += step
-        buffer.end()
-        assert got == frames
-    buffer = FrameBuffer(max_bytes=300)
-    assert buffer.feed(encode_frame(b"ok")[:-1]) == []
-    with pytest.raises(FrameTruncated):
-        buffer.end()
-    with pytest.raises(FrameTooLarge):
-        FrameBuffer(max_bytes=299).feed(struct.pack(">I", 300))
 
 
 def test_cluster_key_depends_on_name_and_secret() -> None:
@@ -277,7 +172,7 @@ def test_wrong_secret_is_refused(tmp_path: Path) -> None:
             with trio.fail_after(10), pytest.raises((*quirks.TRANSPORT_ERRORS, quirks.DialError)):
                 await quirks.dial(x.host, ID.from_base58(a.peer_id), [a.host.get_addrs()[0]], 3)
                 stream = await x.host.new_stream(ID.from_base58(a.peer_id), ["/test/chan/1"])  # type: ignore[list-item]
-                await stream.write(encode_frame(b"sneaky"))
+                await stream.write(encode(b"sneaky", a.config.max_request_bytes))
                 await stream.read(1)
                 await stream.read(1)
 
@@ -285,7 +180,7 @@ def test_wrong_secret_is_refused(tmp_path: Path) -> None:
             with trio.fail_after(10), pytest.raises((*quirks.TRANSPORT_ERRORS, quirks.DialError)):
                 await quirks.dial(x.host, ID.from_base58(a.peer_id), [a.host.get_addrs()[0]], 3)
                 stream = await x.host.new_stream(ID.from_base58(a.peer_id), [mesh_module.SYNC_PROTOCOL])
-                await stream.write(encode_frame(b"sneaky"))
+                await stream.write(encode(b"sneaky", a.config.max_request_bytes))
                 await stream.read(1)
                 await stream.read(1)
 
@@ -404,97 +299,5 @@ def test_bad_frames_are_dropped_and_counted(tmp_path: Path) -> None:
                 assert await b.request(a.peer_id, b"still fine") == b"still fine"
                 with pytest.raises(ValueError):
                     await b.request(a.peer_id, b"x" * 1025)
-
-    run(scenario)
-
-
-# --- channels and named request protocols ----------------------------------------------------------
-def test_channels_and_named_requests(tmp_path: Path) -> None:
-    """Frames both ways, idle timeouts that lose nothing, caps, handler failures, a peer that dies."""
-
-    async def scenario() -> None:
-        served: list[str] = []
-
-        async def echo_frames(peer_id: str, channel: Channel) -> None:
-            served.append(peer_id)
-            try:
-                while True:
-                    frame = await channel.receive()
-                    if frame == b"fail":
-                        raise RuntimeError("boom")
-                    await channel.send(b"echo:" + frame)
-            except ChannelClosed:
-                served.append("closed")
-
-        async def control(peer_id: str, payload: bytes) -> bytes:
-            return b"control:" + payload
-
-        async with running(config(tmp_path, "a", max_request_bytes=4 * 1024 * 1024)) as a:
-            a.set_channel_handler("/test/echo/1", echo_frames)
-            a.set_channel_handler("/test/small/1", echo_frames, max_frame_bytes=10)
-            a.set_request_handler(echo)
-            a.set_request_handler(control, protocol="/test/control/1")
-            async with running(config(tmp_path, "b", bootstrap_peers=(a.addrs()[0],))) as b:
-                with trio.fail_after(10):
-                    await wait_connected(b, a)
-                # Named request protocols next to the sync one.
-                assert await b.request(a.peer_id, b"x", protocol="/test/control/1") == b"control:x"
-                assert await b.request(a.peer_id, b"x") == b"echo:x"
-                with pytest.raises(RequestError):
-                    await b.request(a.peer_id, b"x", protocol="/test/nobody/1")
-
-                with trio.fail_after(20):
-                    async with await b.open_channel(a.peer_id, "/test/echo/1") as channel:
-                        big = random.randbytes(3 * 1024 * 1024)
-                        for payload in (b"one", b"", big):
-                            await channel.send(payload)
-                        for payload in (b"one", b"", big):
-                            assert await channel.receive() == b"echo:" + payload
-                        with pytest.raises(ChannelTimeout):
-                            await channel.receive(idle_timeout_s=0.05)
-                        await channel.send(b"after a timeout")  # nothing lost or torn
-                        assert await channel.receive(idle_timeout_s=5) == b"echo:after a timeout"
-                        with pytest.raises(ValueError):
-                            await channel.send(b"x" * (channel.max_frame_bytes + 1))
-                    await poll(lambda: served[-1:] == ["closed"])
-                    assert served == [b.peer_id, "closed"]
-
-                    # The handler raises: the channel is reset (py-libp2p reads a reset as an end).
-                    channel = await b.open_channel(a.peer_id, "/test/echo/1")
-                    await channel.send(b"fail")
-                    with pytest.raises(ChannelError) as failed:
-                        await channel.receive(idle_timeout_s=5)
-                    assert not isinstance(failed.value, ChannelTimeout)
-                    await channel.reset()
-
-                    # A frame over the handler's cap: dropped and reset, the handler never sees it.
-                    channel = await b.open_channel(a.peer_id, "/test/small/1")
-                    await channel.send(b"x" * 11)
-                    with pytest.raises(ChannelError):
-                        await channel.receive(idle_timeout_s=5)
-                    await channel.reset()
-
-                    with pytest.raises(ChannelError):
-                        await b.open_channel(a.peer_id, "/test/nobody/1")
-
-                    # The peer goes away mid-channel: the next receive fails, without waiting for
-                    # its idle timeout. (A host closed in this process is only noticed by the ping
-                    # monitor, after ~3-4 s; a killed process at once: see tests/test_routing.py.)
-                    channel = await b.open_channel(a.peer_id, "/test/echo/1")
-                    await channel.send(b"hi")
-                    assert await channel.receive() == b"echo:hi"
-                    async with running(config(tmp_path, "c", bootstrap_peers=(b.addrs()[0],))) as c:
-                        c.set_channel_handler("/test/echo/1", echo_frames)
-                        await wait_connected(b, c)
-                        to_c = await b.open_channel(c.peer_id, "/test/echo/1")
-                        await to_c.send(b"c?")
-                        assert await to_c.receive() == b"echo:c?"
-                    stopped = trio.current_time()
-                    with pytest.raises(ChannelError) as lost:
-                        await to_c.receive(idle_timeout_s=8)
-                    assert not isinstance(lost.value, ChannelTimeout)
-                    print(f"a stopped peer's channel failed after {trio.current_time() - stopped:.2f} s")
-                    await to_c.reset()
-                    await channel.aclose()
 
     run(scenario)

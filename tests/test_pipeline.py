@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,13 +22,12 @@ from typing import Any, cast
 import mlx.core as mx
 import psutil
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from node.pipeline.driver import PipelineGenerator
-from node.pipeline.hop import Frame, FrameError, HopError, Kind, decode_frame, encode_frame
-from node.pipeline.shard import SamplingParams, Shard, ShardError, ShardSpec, even_split, load_shard
+from node.pipeline.hop import HopError
+from node.pipeline.shard import SamplingParams, even_split, load_shard
 from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
 from tests.model_factory import make_random_model
 from tests.nodes import wait_until
@@ -130,156 +128,6 @@ def ring(
 def random_ring(request: pytest.FixtureRequest, six_layers: Path) -> Iterator[PipelineGenerator]:
     with ring(six_layers, request.param) as (driver, _):
         yield driver
-
-
-# --- pure parts -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("layers", "stages", "expected"),
-    [
-        (6, 1, [(0, 6)]),
-        (6, 2, [(0, 3), (3, 6)]),
-        (6, 4, [(0, 2), (2, 4), (4, 5), (5, 6)]),
-        (30, 3, [(0, 10), (10, 20), (20, 30)]),
-    ],
-)
-def test_even_split(layers: int, stages: int, expected: list[tuple[int, int]]) -> None:
-    assert even_split(layers, stages) == expected
-
-
-def test_bad_ranges_are_refused() -> None:
-    for start, end in [(3, 3), (-1, 2), (2, 7)]:
-        with pytest.raises(ShardError):
-            ShardSpec(start, end, 6)
-    with pytest.raises(ShardError):
-        even_split(2, 3)
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16, mx.int32])
-def test_frames_round_trip(dtype: mx.Dtype) -> None:
-    tensor = (mx.random.normal((1, 3, 8)) * 100).astype(dtype)
-    frame = Frame(
-        Kind.PREFILL, request=2**40 + 3, position=17, tensor=tensor[:, ::2, :], meta={"a": [1, "b"]}
-    )
-    wire = b"".join(bytes(part) for part in encode_frame(frame))
-    back = decode_frame(wire[4:])
-    assert int.from_bytes(wire[:4], "big") == len(wire) - 4
-    assert (back.kind, back.request, back.position, dict(back.meta)) == (
-        Kind.PREFILL,
-        2**40 + 3,
-        17,
-        {"a": [1, "b"]},
-    )
-    assert back.tensor is not None and back.tensor.dtype == dtype
-    assert mx.array_equal(back.tensor, tensor[:, ::2, :]).item()
-    bare = b"".join(bytes(part) for part in encode_frame(Frame(Kind.RESET, request=5)))
-    assert decode_frame(bare[4:]) == Frame(Kind.RESET, request=5)
-
-
-def test_garbage_is_a_frame_error() -> None:
-    good = b"".join(bytes(p) for p in encode_frame(Frame(Kind.TOKEN, 1, 0, mx.array([7], dtype=mx.int32))))[
-        4:
-    ]
-    for bad in [b"XX" + good[2:], good[:-1], good + b"\0", good[:5]]:
-        with pytest.raises(FrameError):
-            decode_frame(bad)
-
-
-# --- memory follows the share ---------------------------------------------------------------
-
-
-def _group_bytes(model_dir: Path) -> dict[str, int]:
-    """Stored bytes per part: "embed", "layers.<i>", "norm", "head"."""
-    weights = mx.load(str(model_dir / "model.safetensors"))
-    assert isinstance(weights, dict)
-    groups: dict[str, int] = {}
-    for name, value in weights.items():
-        if name.startswith("model.layers."):
-            key = "layers." + name.split(".")[2]
-        else:
-            key = {
-                "model.embed_tokens.weight": "embed",
-                "model.norm.weight": "norm",
-                "lm_head.weight": "head",
-            }[name]
-        groups[key] = groups.get(key, 0) + value.nbytes
-    return groups
-
-
-def _names(shard: Shard) -> set[str]:
-    return {name for name, _ in cast(list[tuple[str, mx.array]], tree_flatten(shard.parameters()))}
-
-
-@pytest.fixture(scope="module")
-def eight_wide(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """8 layers of ~4 MB each, so that layer bytes are easy to tell from the embedding and head."""
-    return make_random_model(
-        tmp_path_factory.mktemp("pipeline") / "eight",
-        num_layers=8,
-        hidden_size=256,
-        intermediate_size=1024,
-        tokenizer_from=builtin_model_dir,
-    )
-
-
-def test_a_stage_holds_only_its_share(eight_wide: Path) -> None:
-    groups = _group_bytes(eight_wide)
-    layers = [groups[f"layers.{i}"] for i in range(8)]
-    cases = {
-        (0, 4): groups["embed"] + sum(layers[:4]),
-        (2, 6): sum(layers[2:6]),
-        (4, 8): sum(layers[4:]) + groups["norm"] + groups["head"],
-    }
-    for (start, end), expected in cases.items():
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        before = mx.get_active_memory()
-        shard = load_shard(eight_wide, start=start, end=end)
-        assert shard.parameter_bytes() == expected
-        # MLX never allocated more than the share: the other layers' weights were never read.
-        assert mx.get_peak_memory() - before <= expected * 1.02 + 1_000_000
-        names = _names(shard)
-        assert any(name.startswith("embed_tokens") for name in names) == (start == 0)
-        assert any(name.startswith("lm_head") for name in names) == (end == 8)
-        del shard
-    # Half the layers of the first stage is half of all layer bytes.
-    first = load_shard(eight_wide, start=0, end=4)
-    assert first.parameter_bytes() - groups["embed"] == sum(layers) // 2
-
-
-def test_tied_embedding_stays_with_the_last_stage(builtin_model_dir: Path) -> None:
-    last = load_shard(builtin_model_dir, start=28)
-    # SmolLM2 ties its head to the embedding: the last stage keeps the table to use as its head.
-    assert {name.split(".")[0] for name in _names(last)} == {"layers", "embed_tokens", "norm"}
-    middle = load_shard(builtin_model_dir, start=10, end=12)
-    assert {name.split(".")[0] for name in _names(middle)} == {"layers"}
-
-
-def test_process_memory_follows_the_share(eight_wide: Path) -> None:
-    """Resident memory of a process loading the middle half vs then loading the whole model."""
-    script = textwrap.dedent(
-        f"""
-        import json, psutil
-        import mlx_lm.models.base, mlx_lm.models.cache, mlx_lm.models.llama, mlx_lm.utils
-        from node.pipeline.shard import load_shard
-        rss = psutil.Process().memory_info
-        base = rss().rss
-        middle = load_shard({str(eight_wide)!r}, start=2, end=6)
-        after_middle = rss().rss
-        whole = load_shard({str(eight_wide)!r}, start=0, end=8)
-        print(json.dumps([after_middle - base, rss().rss - after_middle, middle.parameter_bytes(),
-                          whole.parameter_bytes()]))
-        """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
-    )
-    middle_rss, whole_rss, middle_bytes, whole_bytes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert middle_bytes < whole_bytes / 4
-    assert middle_rss < middle_bytes + 16_000_000
-    assert whole_rss > whole_bytes * 0.9
-    assert middle_rss < whole_rss / 3
 
 
 # --- same tokens as one process ---------------------------------------------------------------

@@ -27,17 +27,17 @@ from protocol.chat import ChatMessage, GenerateRequest, SamplingParams
 from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress, TextDelta, Usage
 from protocol.generate_wire import (
     GENERATE_PROTOCOL,
-    Cancel,
     Event,
-    Generate,
     GenerateWireError,
     KeepAlive,
+    RemoteCancel,
+    RemoteGenerate,
     decode_entry_message,
     decode_requester_message,
     encode,
 )
 from protocol.ids import ModelId, RequestId
-from tests.test_net_mesh import config, running, wait_connected
+from tests.meshes import config, running, wait_connected
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,12 +79,12 @@ def run(fn: Callable[[], Awaitable[None]], limit_s: float = 120) -> None:
 # --- the wire ------------------------------------------------------------------------------------
 def test_wire_round_trip_and_garbage() -> None:
     req = request("r1")
-    assert decode_requester_message(encode(Generate(request=req))) == Generate(request=req)
-    assert decode_requester_message(encode(Cancel())) == Cancel()
+    assert decode_requester_message(encode(RemoteGenerate(request=req))) == RemoteGenerate(request=req)
+    assert decode_requester_message(encode(RemoteCancel())) == RemoteCancel()
     for event in (TextDelta(text="hé"), PrefillProgress(processed_tokens=0, total_tokens=9)):
         assert decode_entry_message(encode(Event(event=event))) == Event(event=event)
     assert decode_entry_message(encode(KeepAlive())) == KeepAlive()
-    garbage = [b"", b"\xff", b"\x9f" * 10_000, encode(KeepAlive())[:-1], encode(Cancel())]
+    garbage = [b"", b"\xff", b"\x9f" * 10_000, encode(KeepAlive())[:-1], encode(RemoteCancel())]
     for body in garbage:  # the last: a requester message where an entry message belongs
         with pytest.raises(GenerateWireError):
             decode_entry_message(body)
@@ -92,7 +92,7 @@ def test_wire_round_trip_and_garbage() -> None:
         decode_requester_message(encode(Event(event=TextDelta(text="x"))))
     huge = request("r2", content="x" * (17 * 1024 * 1024))
     with pytest.raises(GenerateWireError, match="exceeds"):
-        encode(Generate(request=huge))
+        encode(RemoteGenerate(request=huge))
 
 
 # --- entry node in this process ------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Pat
             assert requester.peer_id in nowhere[0].message
             assert trio.current_time() - start < 1
 
-            # A peer that sends garbage instead of a Generate is dropped, the server carries on.
+            # A peer that sends garbage instead of a RemoteGenerate is dropped, the server carries on.
             channel = await requester.open_channel(entry.peer_id, GENERATE_PROTOCOL)
             await channel.send(b"\xff\x00 not cbor")
             with pytest.raises(ChannelError):

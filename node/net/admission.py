@@ -24,8 +24,8 @@ from libp2p.peer.id import ID
 from node.net import auth, quirks
 from node.net.config import MeshConfig
 from node.net.events import MeshStats, PeerEvent
-from node.net.framing import FrameError
 from node.net.peers import Opened, PeerBook
+from protocol.framing import FrameError
 
 log = logging.getLogger("shoal.net")
 

@@ -25,7 +25,7 @@ after ~3-4 s when py-libp2p's ping monitor drops the connection (`quirks.connect
 Why a read-ahead task: cancelling py-libp2p's `stream.read()` can drop bytes it already took from
 its buffer (yamux `read` awaits a window update after taking them), so a timed-out read would
 tear a frame. One task per channel (in the mesh's nursery, or the handler's) reads whatever has
-arrived, splits it into frames (`framing.FrameBuffer`) and queues them; `receive()` waits on that
+arrived, splits it into frames (`protocol.framing.FrameDecoder`) and queues them; `receive()` waits on that
 queue, which is cancel-safe. When the queue is full the task stops reading, and yamux's flow
 control slows the sender. One read (and at most one yamux window update) per batch of frames,
 rather than two reads per frame, cut a small frame's cost from ~1.5 to ~0.6 ms (both ends in
@@ -46,7 +46,8 @@ import trio
 from libp2p.abc import INetStream
 
 from node.net import quirks
-from node.net.framing import READ_CHUNK, FrameBuffer, FrameError, encode_frame
+from node.net.framing import READ_CHUNK
+from protocol.framing import FrameDecoder, FrameError, encode
 
 RECEIVE_BUFFER_FRAMES = 8
 """Frames queued ahead of `receive()` (plus those of the last read, up to 64 KiB of them); beyond
@@ -91,7 +92,7 @@ class Channel:
     async def _read_ahead(self) -> None:
         async with self._frames_in:
             with self._reader_scope:
-                frames = FrameBuffer(self.max_frame_bytes)
+                frames = FrameDecoder(self.max_frame_bytes)
                 try:
                     while True:
                         try:
@@ -102,7 +103,7 @@ class Channel:
                             frames.end()
                             break
                         for frame in frames.feed(data):
-                            await self._frames_in.send(frame)
+                            await self._frames_in.send(bytes(frame))
                     self._end = (
                         ChannelClosed,
                         f"the channel to {self.peer_id} ended (closed, reset or lost)",
@@ -117,8 +118,7 @@ class Channel:
     # --- data ------------------------------------------------------------------------------------
     async def send(self, payload: bytes) -> None:
         """Send one frame. ValueError over `max_frame_bytes`; ChannelError if the stream is dead."""
-        if len(payload) > self.max_frame_bytes:
-            raise ValueError(f"frame of {len(payload)} bytes exceeds the {self.max_frame_bytes}-byte cap")
+        frame = encode(payload, self.max_frame_bytes)
         async with self._send_lock:
             if self._closed:
                 raise ChannelClosed("the channel was closed on this side")
@@ -126,7 +126,7 @@ class Channel:
                 raise ChannelError("an earlier send was interrupted mid-frame")
             self._send_torn = True
             try:
-                await self._stream.write(encode_frame(payload))
+                await self._stream.write(frame)
             except quirks.TRANSPORT_ERRORS as exc:
                 raise ChannelError(f"sending to {self.peer_id} failed: {exc!r}") from exc
             self._send_torn = False

@@ -11,7 +11,9 @@
 - channels: `await mesh.open_channel(peer_id, protocol) -> Channel`, many frames both ways on one
   stream (`node/net/channel.py`), served by the handler given to `set_channel_handler()`;
 - `mesh.events` yields `PeerEvent(peer_id, up)` when a peer becomes authenticated / loses its last
-  connection; `mesh.connected_peers()` is the authenticated set now.
+  connection; `mesh.connected_peers()` is the authenticated set now;
+- peers from `bootstrap_peers`, `add_peer()` and mDNS are redialed while disconnected
+  (`node/net/redial.py`); `mesh.known_peers()` lists them.
 
 Nothing from a peer that has not passed authentication is ever delivered upward: its pubsub,
 request and channel streams wait for the verdict and are reset when refused, gossip it forwards is
@@ -32,11 +34,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import multiaddr
 import trio
 from libp2p.abc import INetStream
 from libp2p.crypto.keys import KeyPair
@@ -52,9 +52,11 @@ from node.net.channel import Channel, ChannelError
 from node.net.config import MeshConfig
 from node.net.discovery import Announcement, MdnsDiscovery
 from node.net.events import Gossip, MeshStats, PeerEvent
-from node.net.framing import FrameError, read_frame, write_frame
-from node.net.host import P2PHost, parse_peer_multiaddr
+from node.net.framing import read_frame, write_frame
+from node.net.host import P2PHost
 from node.net.identity import load_or_create_identity
+from node.net.redial import Redialer
+from protocol.framing import FrameError
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -105,11 +107,9 @@ class Mesh:
         self._handlers: dict[str, RequestHandler] = {}
         self._inbound_channels = 0
         self._request_limiter = trio.CapacityLimiter(config.max_concurrent_requests)
+        self._answer_cap = config.max_request_bytes + 1
+        """An answer frame: a status byte, then at most `max_request_bytes`."""
         self._nursery: trio.Nursery | None = None
-        self._known: dict[str, list[str]] = {}
-        """Peer id -> multiaddrs (with /p2p) we keep dialing while it is disconnected."""
-        self._bootstrap: set[str] = set()
-        self._dialers: dict[str, trio.CancelScope] = {}
         self._gossip_send, self.gossip = trio.open_memory_channel[Gossip](config.gossip_buffer)
         self._event_send, self.events = trio.open_memory_channel[PeerEvent](config.event_buffer)
 
@@ -128,14 +128,15 @@ class Mesh:
             emit=self._emit,
         )
         self._book = self._admission.book
+        self._redial = Redialer(
+            host=self.host, admission=self._admission, config=config, stats=self.stats, my_id=self.peer_id
+        )
         self._pubsub = Pubsub(self.host, self._router, allowed_topics={self.topic})
         quirks.gate_pubsub(self.host, self._pubsub, self._admission.wait_admitted)
         self._pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
         self.host.set_stream_handler(SYNC_PROTOCOL, functools.partial(self._serve_request, SYNC_PROTOCOL))
         for peer in config.bootstrap_peers:
-            info = parse_peer_multiaddr(peer)
-            self._bootstrap.add(info.peer_id.to_base58())
-            self._known.setdefault(info.peer_id.to_base58(), []).append(peer)
+            self._redial.add(peer)
 
     # --- the service ---------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -144,13 +145,13 @@ class Mesh:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._admission.attach(nursery)
+                self._redial.attach(nursery)
                 addrs: list[str] = await nursery.start(self._p2p.run)
                 async with background_trio_service(self._pubsub), background_trio_service(self._router):
                     await self._pubsub.wait_until_ready()
                     subscription = await self._pubsub.subscribe(self.topic)
                     nursery.start_soon(self._pump_gossip, subscription)
-                    for peer_id in self._known:
-                        self._ensure_dialer(peer_id, delay=0.0)
+                    self._redial.dial_all()
                     if self.config.mdns:
                         await nursery.start(self._discovery(addrs).run)
                     task_status.started(addrs)
@@ -158,6 +159,7 @@ class Mesh:
         finally:
             self._nursery = None
             self._admission.attach(None)
+            self._redial.attach(None)
 
     def addrs(self) -> list[str]:
         return self._p2p.addrs()
@@ -168,7 +170,7 @@ class Mesh:
 
     def known_peers(self) -> dict[str, list[str]]:
         """Peers we dial when disconnected (bootstrap, `add_peer`, mDNS) and their multiaddrs."""
-        return {peer_id: list(addrs) for peer_id, addrs in self._known.items()}
+        return {peer_id: list(addrs) for peer_id, addrs in self._redial.known.items()}
 
     def set_request_handler(self, handler: RequestHandler, protocol: str = SYNC_PROTOCOL) -> None:
         """`await handler(peer_id, payload) -> response` for requests on `protocol`.
@@ -183,12 +185,7 @@ class Mesh:
 
     def add_peer(self, peer_multiaddr: str) -> None:
         """Dial a peer (`/ip4/.../tcp/.../p2p/ID`) now and again whenever it is disconnected."""
-        peer_id = parse_peer_multiaddr(peer_multiaddr).peer_id.to_base58()
-        self._bootstrap.add(peer_id)
-        if peer_multiaddr not in self._known.setdefault(peer_id, []):
-            self._known[peer_id].append(peer_multiaddr)
-        if self._nursery is not None:
-            self._ensure_dialer(peer_id, delay=0.0)
+        self._redial.add(peer_multiaddr)
 
     # --- gossip --------------------------------------------------------------------------------
     async def publish(self, data: bytes) -> None:
@@ -232,8 +229,8 @@ class Mesh:
             with trio.fail_after(self.config.request_timeout_s):
                 stream = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
                 try:
-                    await write_frame(stream, payload)
-                    answer = await read_frame(stream, self.config.max_request_bytes + 1)
+                    await write_frame(stream, payload, self.config.max_request_bytes)
+                    answer = await read_frame(stream, self._answer_cap)
                 finally:
                     await quirks.close_quietly(stream)
         except trio.TooSlowError as exc:
@@ -264,7 +261,7 @@ class Mesh:
                 reading = False
                 answer = await self._answer(protocol, peer.to_base58(), payload)
                 try:
-                    await write_frame(stream, answer)
+                    await write_frame(stream, answer, self._answer_cap)
                 except quirks.TRANSPORT_ERRORS as exc:
                     log.debug("could not answer %s: %r", peer, exc)
             if scope.cancelled_caught:
@@ -367,68 +364,13 @@ class Mesh:
             self.stats.events_dropped += 1
             log.warning("peer event dropped (nobody reads mesh.events?): %s", event)
 
-    # --- staying connected ---------------------------------------------------------------------
-    def _ensure_dialer(self, peer_id: str, delay: float) -> None:
-        if peer_id == self.peer_id or peer_id in self._dialers or self._nursery is None:
-            return
-        scope = trio.CancelScope()
-        self._dialers[peer_id] = scope
-        self._nursery.start_soon(self._keep_connected, peer_id, scope, delay)
-
-    async def _keep_connected(self, peer_id: str, scope: trio.CancelScope, delay: float) -> None:
-        """Dial `peer_id` whenever it is disconnected, at most once per backoff period."""
-        config, peer = self.config, ID.from_base58(peer_id)
-        backoff, next_dial = config.redial_min_s, trio.current_time() + delay
-        try:
-            with scope:
-                while addrs := self._known.get(peer_id):
-                    now = trio.current_time()
-                    if self._book.connections(peer_id) > 0:
-                        if self._book.is_authenticated(peer_id):
-                            backoff = config.redial_min_s
-                        await self._admission.changed.wait()
-                        continue
-                    wait_until = max(next_dial, self._book.refused_until(peer_id))
-                    if wait_until > now:
-                        with trio.move_on_at(wait_until):
-                            await self._admission.changed.wait()  # also wakes when it connects to us
-                        continue
-                    next_dial = now + backoff * random.uniform(0.8, 1.2)
-                    backoff = min(backoff * 2, config.redial_max_s)
-                    try:
-                        await quirks.dial(
-                            self.host, peer, [multiaddr.Multiaddr(a) for a in addrs], config.dial_timeout_s
-                        )
-                    except quirks.DialError as exc:
-                        self.stats.dial_failures += 1
-                        log.debug("dialing %s failed: %s", peer_id, exc)
-        finally:
-            if self._dialers.get(peer_id) is scope:
-                del self._dialers[peer_id]
-
     def _discovery(self, addrs: list[str]) -> MdnsDiscovery:
         plain = [a.removesuffix(f"/p2p/{self.peer_id}") for a in addrs]
         return MdnsDiscovery(
             me=Announcement(self.peer_id, self.config.cluster, tuple(plain)),
             interfaces=self._p2p.advertise_ips,
             port=self._p2p.port,
-            on_found=self._mdns_found,
-            on_lost=self._mdns_lost,
-            on_ignored=self._mdns_ignored,
+            on_found=self._redial.mdns_found,
+            on_lost=self._redial.mdns_lost,
+            on_ignored=self._redial.mdns_ignored,
         )
-
-    def _mdns_found(self, announcement: Announcement) -> None:
-        peer_id = announcement.peer_id
-        if peer_id not in self._bootstrap:
-            self._known[peer_id] = announcement.peer_addrs()
-        # The lower id dials at once; the higher waits, so mutual discovery makes one connection.
-        self._ensure_dialer(peer_id, delay=0.0 if self.peer_id < peer_id else self.config.mdns_dial_delay_s)
-
-    def _mdns_ignored(self, announcement: Announcement) -> None:
-        self.stats.mdns_other_clusters += 1
-
-    def _mdns_lost(self, peer_id: str) -> None:
-        if peer_id not in self._bootstrap:
-            self._known.pop(peer_id, None)
-            if (scope := self._dialers.get(peer_id)) is not None:
-                scope.cancel()

@@ -2,10 +2,12 @@
 
 - `shard`: load only layers [start, end) of a model folder (plus the embedding on the first stage,
   the final norm and head on the last), never reading the other layers' weights.
+- `frames`: what crosses a hop, as bytes (kinds, header, tensor); pure.
 - `hop`: the TCP link between neighbouring stages: framed tensors, heartbeats, bounded waits.
 - `stage`: a stage process (`python -m node.pipeline.stage`) that runs its layers for every request.
 - `driver`: `PipelineGenerator`, the first stage, which drives a request around the ring and yields
   tokens as `mlx_lm.stream_generate` would.
+- `ring`: the driver's two links (out to stage 1, in from the last stage) and the requests on them.
 
 Greedy output is identical to one process running the whole model: every stage runs the same
 operations on the same shapes, and hidden states cross the wire as their raw bytes.

@@ -24,41 +24,27 @@ Cancellation (`is_cancelled`, polled between chunks, between steps and while wai
 generator early and sends CANCEL round the ring, which drops every stage's cache for the request;
 the echo is collected before the next request starts, so the caller never waits for it. Any link
 failure raises `HopError` within the hop timeout; the links are then closed, every stage drops its
-caches, and the next `generate` reconnects.
+caches, and the next `generate` reconnects (the links themselves are `ring.py`).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast, overload
+from typing import Any, cast
 
 import mlx.core as mx
 
-from node.pipeline.hop import (
-    CONNECT_TIMEOUT,
-    HOP_TIMEOUT,
-    Frame,
-    HopError,
-    InLink,
-    Kind,
-    OutLink,
-    accept,
-    dial,
-    listen,
-)
+from node.pipeline.frames import Frame, Kind
+from node.pipeline.hop import CONNECT_TIMEOUT, HOP_TIMEOUT, HopError
+from node.pipeline.ring import Cancelled, Ring
 from node.pipeline.shard import SamplingParams, Shard
-
-log = logging.getLogger("shoal.pipeline")
 
 MAX_CHUNKS_IN_FLIGHT = 2
 """Prefill chunks sent but not yet acknowledged: 2 keeps the next stage busy while this one works
 on the following chunk, without queueing a whole prompt's activations in socket buffers."""
-POLL_INTERVAL = 0.05
-"""Seconds between `is_cancelled` checks while waiting for the ring."""
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -113,17 +99,23 @@ class PipelineGenerator:
         if shard.spec.is_last == bool(stages):
             raise ValueError("stage addresses are needed exactly when this shard is not the whole model")
         self.shard = shard
-        self._stages = [(str(h), int(p)) for h, p in stages]
-        self._hop_timeout = hop_timeout
-        self._connect_timeout = connect_timeout
-        self._listener = None if shard.spec.is_last else listen(host, port)
-        self.listen_address: tuple[str, int] | None = (
-            None if self._listener is None else self._listener.getsockname()[:2]
+        self._ring = (
+            None
+            if shard.spec.is_last
+            else Ring(
+                stages,
+                end_layer=shard.spec.end,
+                num_layers=shard.spec.num_layers,
+                host=host,
+                port=port,
+                hop_timeout=hop_timeout,
+                connect_timeout=connect_timeout,
+            )
         )
-        self._out: OutLink | None = None
-        self._in: InLink | None = None
+        self.listen_address: tuple[str, int] | None = (
+            None if self._ring is None else self._ring.listen_address
+        )
         self._requests = itertools.count(1)
-        self._unechoed: int | None = None
         self._busy = False
         self.last_stats = RingStats()
         """Timings of the latest request's decode steps (ring pipelines only)."""
@@ -135,64 +127,17 @@ class PipelineGenerator:
 
     def connect(self) -> None:
         """Form the ring (no-op when connected or local); `HopError` if it cannot within the timeout."""
-        if self.local or self._out is not None:
-            return
-        assert self._listener is not None and self.listen_address is not None
-        try:
-            self._in = None
-            self._out = OutLink(
-                dial(self._stages[0], timeout=self._connect_timeout),
-                name="stage 1",
-                send_timeout=self._hop_timeout,
-                on_broken=self._broken,
-            )
-            route = [f"{host}:{port}" for host, port in [*self._stages[1:], self.listen_address]]
-            self._out.send(Frame(Kind.HELLO, meta={"layer": self.shard.spec.end, "route": route}))
-            deadline = time.monotonic() + self._connect_timeout
-            while True:
-                link = InLink(
-                    accept(self._listener, timeout=max(0.1, deadline - time.monotonic())),
-                    name="last stage",
-                    timeout=self._hop_timeout,
-                )
-                try:
-                    hello = link.recv(timeout=self._hop_timeout)
-                except HopError:
-                    hello = None  # a connection from an earlier, broken ring
-                if hello is not None and hello.kind == Kind.HELLO:
-                    if hello.meta.get("layer") != self.shard.spec.num_layers:
-                        link.close()
-                        raise HopError(
-                            f"the ring ends at layer {hello.meta.get('layer')}, "
-                            f"the model has {self.shard.spec.num_layers}: a stage is missing"
-                        )
-                    self._in = link
-                    break
-                link.close()
-            log.info(
-                "pipeline ring up: %d stages, layers [0, %d) here", len(self._stages) + 1, self.shard.spec.end
-            )
-        except BaseException:
-            self.disconnect()
-            raise
+        if self._ring is not None:
+            self._ring.connect()
 
     def disconnect(self) -> None:
         """Close the links; every other stage notices, drops its caches and waits for a new ring."""
-        for link in (self._out, self._in):
-            if link is not None:
-                link.close()
-        self._out = self._in = None
-        self._unechoed = None
+        if self._ring is not None:
+            self._ring.disconnect()
 
     def close(self) -> None:
-        self.disconnect()
-        if self._listener is not None:
-            self._listener.close()
-
-    def _broken(self, error: HopError) -> None:
-        link = self._in
-        if link is not None:
-            link.fail(error)
+        if self._ring is not None:
+            self._ring.close()
 
     def generate(
         self,
@@ -290,8 +235,10 @@ class PipelineGenerator:
         progress: ProgressCallback,
         cancelled: Callable[[], bool],
     ) -> Iterator[int]:
-        self.connect()
-        self._collect_echo()
+        ring = self._ring
+        assert ring is not None
+        ring.connect()
+        ring.collect_echo()
         request = next(self._requests)
         stats = self.last_stats = RingStats()
         cache = self.shard.make_cache()
@@ -306,25 +253,25 @@ class PipelineGenerator:
                     return
                 n = min(step, total - done - 1)
                 h = self.shard.forward(prompt[done : done + n][None], cache)
-                self._send(Frame(Kind.PREFILL, request, done, h, first_meta if done == 0 else {}))
+                ring.send(Frame(Kind.PREFILL, request, done, h, first_meta if done == 0 else {}))
                 done += n
                 in_flight += 1
                 mx.clear_cache()
                 # Collect the acknowledgements that are in; wait only when too far ahead.
                 while in_flight and (
-                    frame := self._recv(request, cancelled, block=in_flight >= MAX_CHUNKS_IN_FLIGHT)
+                    frame := ring.recv(request, cancelled, block=in_flight >= MAX_CHUNKS_IN_FLIGHT)
                 ):
                     progress(self._expect(frame, Kind.ACK), total)
                     in_flight -= 1
             h = self.shard.forward(prompt[done:][None], cache)
-            self._send(Frame(Kind.DECODE, request, done, h, first_meta if done == 0 else {}))
+            ring.send(Frame(Kind.DECODE, request, done, h, first_meta if done == 0 else {}))
             while in_flight:
-                progress(self._expect(self._recv(request, cancelled), Kind.ACK), total)
+                progress(self._expect(ring.recv(request, cancelled), Kind.ACK), total)
                 in_flight -= 1
             sent = 0.0
             produced = 0
             while True:
-                frame = self._recv(request, cancelled)
+                frame = ring.recv(request, cancelled)
                 self._expect(frame, Kind.TOKEN)
                 if produced:  # the first step overlapped with prefill: not a plain round trip
                     stats.ring_wait_s += time.perf_counter() - sent
@@ -346,79 +293,24 @@ class PipelineGenerator:
                 yield token
                 if not more or cancelled():
                     return
-                self._send(Frame(Kind.DECODE, request, total + produced - 1, h))
+                ring.send(Frame(Kind.DECODE, request, total + produced - 1, h))
                 sent = time.perf_counter()
                 stats.local_s += sent - received
-        except _Cancelled:
+        except Cancelled:
             return
         except HopError:
-            self.disconnect()
+            ring.disconnect()
             raise
         finally:
-            self._end(request, ending)
+            ring.end(request, ending)
 
-    def _send(self, frame: Frame) -> None:
-        assert self._out is not None
-        self._out.send(frame)
-
-    @overload
-    def _recv(self, request: int, cancelled: Callable[[], bool] | None) -> Frame: ...
-    @overload
-    def _recv(self, request: int, cancelled: Callable[[], bool] | None, *, block: bool) -> Frame | None: ...
-    def _recv(
-        self, request: int, cancelled: Callable[[], bool] | None, *, block: bool = True
-    ) -> Frame | None:
-        """The next frame of `request` (older requests' leftovers are dropped).
-
-        Blocking, it waits as long as the ring is alive, checking `cancelled()` every
-        POLL_INTERVAL (raising `_Cancelled`); not blocking, it returns None when nothing is in.
-        """
-        assert self._in is not None
-        while True:
-            if cancelled is not None and cancelled():
-                raise _Cancelled
-            frame = self._in.recv(timeout=POLL_INTERVAL if block else 0)
-            if frame is None:
-                if block:
-                    continue
-                return None
-            if frame.request == request:
-                return frame
-            log.debug("dropped a stale %s frame of request %d", frame.kind.name, frame.request)
-
-    def _expect(self, frame: Frame, kind: Kind) -> int:
+    @staticmethod
+    def _expect(frame: Frame, kind: Kind) -> int:
         if frame.kind == Kind.ERROR:
             raise PipelineError(str(frame.meta.get("message", "a stage failed")))
         if frame.kind != kind:
             raise HopError(f"expected {kind.name} from the last stage, got {frame.kind.name}")
         return frame.position
-
-    def _end(self, request: int, kind: Kind) -> None:
-        """Tell every stage to drop the request; its echo is collected before the next request."""
-        if self._out is None:
-            return
-        try:
-            self._out.send(Frame(kind, request))
-            self._unechoed = request
-        except HopError:
-            self.disconnect()
-
-    def _collect_echo(self) -> None:
-        """Read up to the echo of the previous request's RESET/CANCEL: the ring is then clean."""
-        request = self._unechoed
-        if request is None:
-            return
-        try:
-            while self._recv(request, None).kind not in (Kind.RESET, Kind.CANCEL):
-                pass
-        except HopError:
-            self.disconnect()
-            raise
-        self._unechoed = None
-
-
-class _Cancelled(Exception):
-    """Raised while waiting on the ring once the caller's `is_cancelled()` is true."""
 
 
 def _no_progress(processed: int, total: int) -> None:

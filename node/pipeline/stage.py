@@ -43,13 +43,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import (
     CONNECT_TIMEOUT,
     HOP_TIMEOUT,
-    Frame,
     HopError,
     InLink,
-    Kind,
     OutLink,
     accept,
     dial,

@@ -28,10 +28,10 @@ from protocol.events import ChunkEvent, is_terminal
 from protocol.ids import RequestId
 from protocol.runner_wire import (
     Cancel,
-    FrameDecoder,
     FrameError,
     Generate,
     LoadFailed,
+    MessageDecoder,
     Ready,
     RequestEvent,
     RunnerMessage,
@@ -89,7 +89,7 @@ class _Inbox:
 
 
 def _read_commands(stdin: BinaryIO, inbox: _Inbox) -> None:
-    decoder = FrameDecoder()
+    decoder = MessageDecoder()
     try:
         while data := stdin.read1(65536):  # type: ignore[attr-defined]
             for message in decoder.feed(data):

@@ -19,16 +19,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
+from node.backoff import RESTART, Backoff
 from node.runner.fastpath import runner_environment
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent, Finish, GenerationError, is_terminal
 from protocol.ids import ModelId, RequestId
 from protocol.runner_wire import (
     Cancel,
-    FrameDecoder,
     FrameError,
     Generate,
     LoadFailed,
+    MessageDecoder,
     Ready,
     RequestEvent,
     RunnerMessage,
@@ -137,20 +138,20 @@ class RunnerSupervisor:
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the runner and restart it whenever it dies; returns only if the model can't load."""
         task_status.started()
-        backoff = 0.5
+        backoff = Backoff(RESTART)
         while True:
-            started = trio.current_time()
+            backoff.started(trio.current_time())
             exit_code = await self._run_once()
             self.fail_in_flight(f"the model runner stopped unexpectedly (exit code {exit_code})")
             if self.state == "failed":
                 log.error("model %s cannot be served: %s", self.spec.model_id, self.failure)
                 return
             self.state, self._ready, self.restarts = "restarting", trio.Event(), self.restarts + 1
-            backoff = 0.5 if trio.current_time() - started > 30 else min(backoff * 2, 10.0)
+            delay = backoff.failed(trio.current_time())
             log.warning(
-                "runner for %s exited (code %s); restarting in %.1fs", self.spec.model_id, exit_code, backoff
+                "runner for %s exited (code %s); restarting in %.1fs", self.spec.model_id, exit_code, delay
             )
-            await trio.sleep(backoff)
+            await trio.sleep(delay)
 
     async def _run_once(self) -> int | None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -172,7 +173,7 @@ class RunnerSupervisor:
 
     async def _pump(self, process: trio.Process) -> None:
         assert process.stdout is not None
-        decoder = FrameDecoder()
+        decoder = MessageDecoder()
         while data := await process.stdout.receive_some(65536):
             try:
                 messages = decoder.feed(data)

@@ -1,7 +1,8 @@
-"""This node's part of a multi-stage instance: a later stage's process, or the entry's runner.
+"""The pipeline stages this node hosts for the instances placed on it (`node.pipeline.stage` is the
+stage process itself; this module starts and watches those processes).
 
-A later stage runs `node.pipeline.stage` in its own process and restarts it whenever it exits, on
-the same port when it can, so the entry's route stays valid; the address is published for the
+A later stage runs `node.pipeline.stage` in its own process, restarted after a backoff whenever it
+exits, on the same port when it can, so the entry's route stays valid; its address answers the
 entry's `StageAddress` questions. The entry asks every later stage where it listens and runs the
 runner in pipeline mode with that route. It keeps asking: a stage that had to move (its port was
 taken while it restarted) gets the runner restarted with the new route, with no user action.
@@ -9,17 +10,21 @@ taken while it restarted) gets the runner restarted with the new route, with no 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import trio
 
-from node.net.mesh import Mesh, RequestError
+from node.backoff import RESTART, Backoff
+from node.net.mesh import RequestError
 from node.pipeline.stage import spawn_stage, wait_ready
-from node.runner.supervisor import RunnerSupervisor
+from node.runner.fastpath import runner_environment
+from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
@@ -40,8 +45,43 @@ ROUTE_CHECK_INTERVAL = 2.0
 """Seconds between the entry's checks that its route still holds: one small request per stage."""
 
 
+class StageMesh(Protocol):
+    """What stages need of the mesh (`node.net.mesh.Mesh`): our addresses, and questions to peers."""
+
+    def addrs(self) -> list[str]: ...
+    async def request(self, peer_id: str, payload: bytes, protocol: str = ...) -> bytes: ...
+
+
+def reachable_host(addrs: list[str]) -> str:
+    """The IP peers reach us on, from our p2p multiaddrs (/ip4/IP/...): a non-loopback one if any."""
+    ips = [a.split("/")[2] for a in addrs if a.startswith("/ip4/") and a.split("/")[2] != "0.0.0.0"]
+    public = [ip for ip in ips if not ip.startswith("127.")]
+    return (public or ips or ["127.0.0.1"])[0]
+
+
 def _label(stage: StageAssignment) -> str:
     return f"stage [{stage.start_layer}, {stage.end_layer})"
+
+
+def stage_environment(spec: RunnerSpec) -> dict[str, str]:
+    """A stage process's environment: offline, unbuffered, and the runner's BLAS settings."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.update(runner_environment(env, enabled=spec.fast_path))
+    return env
+
+
+def answer_stage_address(
+    question: StageAddress, record: InstanceRecord | None, me: str, address: str | None
+) -> StageAddressAnswer:
+    """`address` (this node's stage of `record`) if the question is about that very stage, else None."""
+    if record is None or question.nodes != tuple(s.node for s in record.stages):
+        return StageAddressAnswer(address=None)
+    if not any(
+        s.node == me and (s.start_layer, s.end_layer) == (question.start_layer, question.end_layer)
+        for s in record.stages
+    ):
+        return StageAddressAnswer(address=None)
+    return StageAddressAnswer(address=address)
 
 
 async def run_stage_process(
@@ -54,9 +94,10 @@ async def run_stage_process(
     instance: str,
 ) -> NoReturn:
     """Keep this node's stage process running; `publish` gets its HOST:PORT, or None while down."""
-    backoff = 0.5
+    backoff = Backoff(RESTART)
     port = 0  # any free port at first; restarts ask for the same one
     while True:
+        backoff.started(trio.current_time())
         process = spawn_stage(
             path,
             start=stage.start_layer,
@@ -74,7 +115,6 @@ async def run_stage_process(
             port = process.address[1]
             publish(f"{host}:{port}")
             log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
-            backoff = 0.5
             await trio.to_thread.run_sync(process.process.wait, abandon_on_cancel=True)  # type: ignore[call-arg]
             log.warning("instance %s: stage process exited (%s)", instance, process.process.returncode)
         except RuntimeError as exc:
@@ -85,14 +125,13 @@ async def run_stage_process(
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(process.stop)
             log.info("instance %s: %s stopped", instance, _label(stage))
-        await trio.sleep(backoff)
-        backoff = min(backoff * 2, 10.0)
+        await trio.sleep(backoff.failed(trio.current_time()))
 
 
 class StageRoute:
     """The entry's questions to the later stages' nodes: where does your stage listen?"""
 
-    def __init__(self, mesh: Mesh, record: InstanceRecord) -> None:
+    def __init__(self, mesh: StageMesh, record: InstanceRecord) -> None:
         self.mesh = mesh
         self.record = record
 
@@ -141,12 +180,16 @@ class StageRoute:
 
 async def run_entry(
     route: StageRoute,
-    runner_for: Callable[[tuple[str, ...]], RunnerSupervisor],
+    spec: RunnerSpec,
+    host: str,
+    runner: Callable[[RunnerSpec], RunnerSupervisor],
     serve: Callable[[RunnerSupervisor], Awaitable[None]],
     publish: Callable[[RunnerSupervisor | None], None],
 ) -> None:
-    """The first stage: the pipeline runner for the current route, restarted whenever it changes."""
+    """The first stage: the runner (`spec` in pipeline mode, the later stages dialing back to `host`)
+    for the current route, restarted whenever the route changes."""
     iid = route.record.instance_id
+    end = route.record.stages[0].end_layer
     while True:
         addresses: tuple[str, ...] = ()
         with trio.move_on_after(STAGE_READY_TIMEOUT):
@@ -155,11 +198,11 @@ async def run_entry(
             log.error("instance %s: its stages did not all become ready; not serving it", iid)
             return
         log.info("instance %s: stages at %s", iid, ", ".join(addresses))
-        runner = runner_for(addresses)
-        publish(runner)
+        current = runner(dataclasses.replace(spec, pipeline=(end, host, addresses)))
+        publish(current)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve, runner)
+                nursery.start_soon(serve, current)
                 await route.wait_moved(addresses)
                 nursery.cancel_scope.cancel()
         finally:

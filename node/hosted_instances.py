@@ -1,0 +1,176 @@
+"""What this node runs: its part of every instance placed on it, kept in step with the records.
+
+`reconcile_nowait` compares the records that name this node with what runs here and returns at
+once: it stops what went away or changed, and starts one task per new instance. That task resolves
+the model (which may import or download it), then runs the instance's runner, or this node's
+pipeline stage (`node.hosted_stages`); a slow model holds up no other instance. A model that does
+not resolve is tried again after a backoff, not on every pass of the caller's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from node.backoff import Backoff, BackoffPolicy
+from node.hosted_stages import (
+    StageMesh,
+    StageRoute,
+    answer_stage_address,
+    reachable_host,
+    run_entry,
+    run_stage_process,
+    stage_environment,
+)
+from node.models import ResolvedModel
+from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from protocol.cluster_records import InstanceRecord
+from protocol.control_wire import StageAddress, StageAddressAnswer
+from protocol.ids import InstanceId, ModelId, NodeId
+
+log = logging.getLogger("shoal.instances")
+
+RESOLVE_RETRY = BackoffPolicy(min_s=2.0, max_s=300.0)
+"""A model that does not resolve here (missing files, no network) is tried at 2 s, 4 s ... then every
+5 minutes: files copied in later are picked up, and the log gets a line per try, not per second."""
+
+
+def plan_reconcile(
+    me: NodeId, records: Mapping[InstanceId, InstanceRecord], running: Mapping[InstanceId, InstanceRecord]
+) -> tuple[list[InstanceId], list[InstanceRecord]]:
+    """(instances to stop, records to start) so that what runs matches the records naming `me`;
+    a changed record is both: stopped, then started as it is now."""
+    wanted = {iid: r for iid, r in records.items() if any(s.node == me for s in r.stages)}
+    stop = [iid for iid, record in running.items() if wanted.get(iid) != record]
+    start = [record for iid, record in wanted.items() if iid not in running or iid in stop]
+    return stop, start
+
+
+async def serve_runner(runner: RunnerSupervisor) -> None:
+    """Run `runner`; once it stops, requests still streaming from it get their terminal error."""
+    try:
+        await runner.run()
+    finally:
+        runner.fail_in_flight("the model's instance was stopped or re-placed on this node")
+
+
+@dataclass
+class _Hosted:
+    record: InstanceRecord
+    scope: trio.CancelScope
+    runner: RunnerSupervisor | None = None
+    """This node's runner: a 1-stage instance's, or a pipeline's first stage (once stages answer)."""
+    stage_address: str | None = None
+    """HOST:PORT of this node's (non-first) pipeline stage process, once it is ready."""
+
+
+class HostedInstances:
+    def __init__(
+        self,
+        me: NodeId,
+        mesh: StageMesh,
+        runner_spec: Callable[[ModelId, Path], RunnerSpec],
+        resolve: Callable[[str], Awaitable[ResolvedModel]],
+        *,
+        runner: Callable[[RunnerSpec], RunnerSupervisor] = RunnerSupervisor,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.me = me
+        self._mesh = mesh
+        self._runner_spec = runner_spec
+        self._resolve_model = resolve
+        self._runner = runner
+        self._rand = rand
+        self._hosted: dict[InstanceId, _Hosted] = {}
+
+    # --- reads -------------------------------------------------------------------------------
+    def runners(self) -> list[RunnerSupervisor]:
+        return [hosted.runner for hosted in self._hosted.values() if hosted.runner is not None]
+
+    def local_runner(self, model: str) -> RunnerSupervisor | None:
+        """The runner taking requests for `model` here: this node holds its instance's first stage."""
+        for hosted in self._hosted.values():
+            first = hosted.record.stages[0].node == self.me
+            if hosted.record.model == model and first and hosted.runner is not None:
+                return hosted.runner
+        return None
+
+    def answer_stage_address(self, question: StageAddress) -> StageAddressAnswer:
+        hosted = self._hosted.get(InstanceId(question.instance_id))
+        if hosted is None:
+            return StageAddressAnswer(address=None)
+        return answer_stage_address(question, hosted.record, self.me, hosted.stage_address)
+
+    # --- keeping in step ---------------------------------------------------------------------
+    def reconcile_nowait(self, records: Mapping[InstanceId, InstanceRecord], nursery: trio.Nursery) -> None:
+        """Stop what no record names here any more, start (in `nursery`) what is new; never waits."""
+        running = {iid: hosted.record for iid, hosted in self._hosted.items()}
+        stop, start = plan_reconcile(self.me, records, running)
+        for iid in stop:
+            log.info("stopping the runner of instance %s", iid)
+            self._hosted.pop(iid).scope.cancel()
+        for record in start:
+            hosted = _Hosted(record, trio.CancelScope())
+            self._hosted[record.instance_id] = hosted
+            nursery.start_soon(self._host, hosted)
+
+    async def _host(self, hosted: _Hosted) -> None:
+        """Resolve the model, then run this node's part of the instance until its scope is cancelled."""
+        with hosted.scope:
+            record = hosted.record
+            resolved = await self._resolve(record)
+            spec = self._runner_spec(record.model, resolved.path)
+            if len(record.stages) == 1:
+                log.info("instance %s: running %s here", record.instance_id, record.model)
+                hosted.runner = self._runner(spec)
+                await serve_runner(hosted.runner)
+                return
+            mine = next(s for s in record.stages if s.node == self.me)
+            log.info(
+                "instance %s: running layers [%d, %d) of %s here",
+                record.instance_id,
+                mine.start_layer,
+                mine.end_layer,
+                record.model,
+            )
+            host = reachable_host(self._mesh.addrs())
+            if mine is record.stages[0]:
+
+                def publish_runner(runner: RunnerSupervisor | None) -> None:
+                    hosted.runner = runner
+
+                route = StageRoute(self._mesh, record)
+                await run_entry(route, spec, host, self._runner, serve_runner, publish_runner)
+                return
+
+            def publish_address(address: str | None) -> None:
+                hosted.stage_address = address
+
+            env = stage_environment(spec)
+            await run_stage_process(
+                resolved.path, mine, host=host, env=env, publish=publish_address, instance=record.instance_id
+            )
+
+    async def _resolve(self, record: InstanceRecord) -> ResolvedModel:
+        """The model's folder, asked for again after each failure's backoff until it resolves."""
+        source = record.source or record.model
+        backoff = Backoff(RESOLVE_RETRY, rand=self._rand)
+        while True:
+            try:
+                return await self._resolve_model(source)
+            except ValueError as exc:  # ModelResolveError: reported, the instance stays unserved here
+                delay = backoff.failed(trio.current_time())
+                report = log.error if backoff.failures == 1 else log.warning
+                report(
+                    "instance %s: cannot resolve model %r: %s (trying again in %.0fs)",
+                    record.instance_id,
+                    source,
+                    exc,
+                    delay,
+                )
+                await trio.sleep(delay)

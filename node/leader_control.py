@@ -1,0 +1,189 @@
+"""The leader's side of instances: place, preview and delete on request; re-place what lost a node.
+
+Only the leader writes instance records: `protocol.placement.place` decides, the cluster state
+replicates them, so a leader change keeps every instance. Each answer is an outcome of
+`protocol.control_wire`, never an HTTP status. Repair runs one task per instance that lost a node,
+so a slow shape read never holds up another instance; one that cannot be re-placed is tried again
+after a backoff, not on every pass of the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import secrets
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+from node.backoff import Backoff, BackoffPolicy
+from node.model_shapes import ShapeCache
+from protocol.cluster import ClusterState, NotLeaderError
+from protocol.cluster_records import InstanceRecord
+from protocol.cluster_view import InstanceView, StageView
+from protocol.control_wire import (
+    Deleted,
+    DeleteInstance,
+    DeleteOutcome,
+    Exists,
+    Invalid,
+    NotFound,
+    Placed,
+    PlaceInstance,
+    PlaceOutcome,
+    Unavailable,
+)
+from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.membership import Status, View
+from protocol.placement import PlacementError, place
+
+log = logging.getLogger("shoal.instances")
+
+PLACEMENT_HEADROOM = 0.1
+"""Fraction of a node's available memory placement leaves free (OS, activations, other programs)."""
+REPAIR_RETRY = BackoffPolicy(min_s=2.0, max_s=60.0)
+"""An instance that cannot be re-placed (no room left, an unreadable model) waits 2 s, 4 s ... 60 s
+between tries: a node joining or memory freeing up is picked up within a minute."""
+
+
+class LeaderCluster(Protocol):
+    """What the leader reads and writes of the cluster (`node.cluster.ClusterService`)."""
+
+    @property
+    def me(self) -> NodeId: ...
+    @property
+    def state(self) -> ClusterState: ...
+    @property
+    def view(self) -> View: ...
+    @property
+    def is_leader(self) -> bool: ...
+    def alive_memory(self) -> dict[NodeId, int]: ...
+    async def put_instance(self, record: InstanceRecord) -> None: ...
+    async def remove_instance(self, instance_id: InstanceId) -> None: ...
+
+
+def instance_view(record: InstanceRecord) -> InstanceView:
+    stages = tuple(
+        StageView(node_id=s.node, start_layer=s.start_layer, end_layer=s.end_layer) for s in record.stages
+    )
+    return InstanceView(id=record.instance_id, model=record.model, stages=stages)
+
+
+def new_instance_id(model: str) -> InstanceId:
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[-40:] or "model"
+    return InstanceId(f"{slug}-{secrets.token_hex(3)}")
+
+
+def lost_nodes(record: InstanceRecord, me: NodeId, view: View) -> list[NodeId]:
+    """The nodes of `record` this node's failure detector calls dead or gone (never itself)."""
+    return [
+        s.node for s in record.stages if s.node != me and view.status(s.node) in (Status.DEAD, Status.LEFT)
+    ]
+
+
+def _not_leader(still: str = "") -> Unavailable:
+    return Unavailable(kind="not_leader", reason=f"this node is {still}not the leader")
+
+
+class LeaderControl:
+    def __init__(
+        self,
+        cluster: LeaderCluster,
+        shapes: ShapeCache,
+        *,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.cluster = cluster
+        self.shapes = shapes
+        self._rand = rand
+        self._repairing: set[InstanceId] = set()
+        self._retries: dict[InstanceId, Backoff] = {}
+
+    def _records(self) -> list[InstanceRecord]:
+        return sorted(self.cluster.state.instances().values(), key=lambda r: r.instance_id)
+
+    async def place(self, request: PlaceInstance) -> PlaceOutcome:
+        if not self.cluster.is_leader:
+            return _not_leader()
+        for record in self._records():
+            if record.model == request.model and not request.preview:
+                return Exists(instance=instance_view(record))
+        try:
+            plan = place(
+                request.shape,
+                sorted(self.cluster.alive_memory().items()),
+                headroom=PLACEMENT_HEADROOM,
+                nodes_wanted=request.nodes,
+            )
+        except PlacementError as exc:
+            return Invalid(kind="does_not_fit", reason=str(exc))
+        self.shapes.remember(request.source, request.shape)
+        record = InstanceRecord(
+            new_instance_id(request.model), ModelId(request.model), plan.stages, request.source
+        )
+        if not request.preview:
+            try:
+                await self.cluster.put_instance(record)
+            except NotLeaderError:
+                return _not_leader("no longer ")
+            log.info(
+                "placed instance %s of %s on %d node(s)", record.instance_id, record.model, len(record.stages)
+            )
+        return Placed(
+            instance=instance_view(record), stage_bytes=plan.bytes_per_stage, preview=request.preview
+        )
+
+    async def delete(self, request: DeleteInstance) -> DeleteOutcome:
+        if not self.cluster.is_leader:
+            return _not_leader()
+        record = self.cluster.state.instances().get(InstanceId(request.instance_id))
+        if record is None:
+            return NotFound(kind="instance", reason=f"no instance {request.instance_id!r}")
+        try:
+            await self.cluster.remove_instance(record.instance_id)
+        except NotLeaderError:
+            return _not_leader("no longer ")
+        return Deleted(instance=instance_view(record))
+
+    # --- repair ------------------------------------------------------------------------------
+    def repair_nowait(self, nursery: trio.Nursery) -> None:
+        """Start re-placing each instance that lost a node, unless under way or waiting to retry."""
+        now = trio.current_time()
+        records = self._records()
+        for gone in set(self._retries) - {r.instance_id for r in records}:
+            del self._retries[gone]
+        for record in records:
+            lost = lost_nodes(record, self.cluster.me, self.cluster.view)
+            retry = self._retries.get(record.instance_id)
+            if not lost or record.instance_id in self._repairing or (retry and not retry.due(now)):
+                continue
+            self._repairing.add(record.instance_id)
+            nursery.start_soon(self._repair, record, lost)
+
+    async def _repair(self, record: InstanceRecord, lost: list[NodeId]) -> None:
+        """Re-place `record` on the nodes alive now, if it still fits and nobody changed it meanwhile."""
+        iid = record.instance_id
+        try:
+            shape = await self.shapes.get(record.source or record.model)
+            plan = place(shape, sorted(self.cluster.alive_memory().items()), headroom=PLACEMENT_HEADROOM)
+            replaced = InstanceRecord(iid, record.model, plan.stages, record.source)
+            if self.cluster.state.instances().get(iid) == record and replaced != record:
+                await self.cluster.put_instance(replaced)
+                log.info("re-placed instance %s on %s", iid, [s.node for s in plan.stages])
+            self._retries.pop(iid, None)
+        except NotLeaderError:
+            pass  # the new leader repairs it
+        except ValueError as exc:  # a model that does not resolve, or a PlacementError
+            retry = self._retries.setdefault(iid, Backoff(REPAIR_RETRY, rand=self._rand))
+            delay = retry.failed(trio.current_time())
+            log.warning(
+                "instance %s lost %s and cannot be re-placed: %s (trying again in %.0fs)",
+                iid,
+                lost,
+                exc,
+                delay,
+            )
+        finally:
+            self._repairing.discard(iid)

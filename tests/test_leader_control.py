@@ -1,0 +1,262 @@
+"""The leader's placement service and what nodes ask it, in one process: a fake cluster, MockClock."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+import trio.testing
+
+from node.instance_requests import InstanceRequests
+from node.leader_control import LeaderControl
+from node.model_shapes import ShapeCache
+from node.net.mesh import RequestError
+from protocol.cluster import ClusterState, NotLeaderError
+from protocol.cluster_records import InstanceRecord, StageAssignment
+from protocol.control_wire import (
+    Deleted,
+    DeleteInstance,
+    Exists,
+    Invalid,
+    NotFound,
+    Placed,
+    PlaceInstance,
+    StageAddressAnswer,
+    Unavailable,
+    encode_control,
+)
+from protocol.election import Decision
+from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.membership import MemberState, Status, View
+from protocol.placement import ModelShape
+
+ME, OTHER = NodeId("a-leader"), NodeId("b-other")
+GIB = 2**30
+SHAPE = ModelShape.uniform(
+    ModelId("tiny"), num_layers=4, bytes_per_layer=GIB // 4, embedding_bytes=0, head_bytes=0
+)
+"""1 GiB in all: fits an 8 GiB node, not a 512 MiB one."""
+
+
+class FakeCluster:
+    """The parts of `ClusterService` the leader uses, over a real `ClusterState`."""
+
+    def __init__(self, memory: dict[NodeId, int]) -> None:
+        self.me = ME
+        self.state = ClusterState.empty().with_leader_claim(ME, 1)
+        self.view = View.empty()
+        self.decision = Decision(ME, 1, ME, claim=False)
+        self.memory = memory
+        self.leading = True
+        self.asked_memory_at: list[float] = []
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def alive_memory(self) -> dict[NodeId, int]:
+        self.asked_memory_at.append(trio.current_time())
+        return dict(self.memory)
+
+    async def put_instance(self, record: InstanceRecord) -> None:
+        if not self.leading:
+            raise NotLeaderError("not the leader")
+        self.state = self.state.with_instance(ME, 1, record)
+
+    async def remove_instance(self, instance_id: InstanceId) -> None:
+        self.state = self.state.without_instance(ME, 1, instance_id)
+
+    async def wait_changed(self) -> None:
+        await trio.sleep_forever()
+
+    def dies(self, node: NodeId) -> None:
+        self.view = View({node: MemberState(node, Status.DEAD, 0, 0, 0.0)})
+        self.memory.pop(node)
+
+
+class Reader:
+    """Reads model shapes like `ModelFiles.shape`, counting what it had to resolve."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.read: list[str] = []
+        self.delay = delay
+
+    async def __call__(self, source: str) -> ModelShape:
+        self.read.append(source)
+        await trio.sleep(self.delay)
+        if source != "tiny":
+            raise ValueError(f"model {source!r} not found")
+        return SHAPE
+
+
+def leader_of(memory: dict[NodeId, int], reader: Reader | None = None) -> tuple[FakeCluster, LeaderControl]:
+    cluster = FakeCluster(memory)
+    return cluster, LeaderControl(cluster, ShapeCache(reader or Reader()), rand=lambda: 0.5)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def ask(model: str = "tiny", **kwargs: object) -> PlaceInstance:
+    return PlaceInstance.model_validate({"model": model, "source": model, "shape": SHAPE, **kwargs})
+
+
+def test_place_preview_exists_does_not_fit_and_not_leader_are_outcomes() -> None:
+    async def main() -> None:
+        cluster, leader = leader_of({ME: 8 * GIB, OTHER: GIB // 2})
+        preview = await leader.place(ask(preview=True))
+        assert isinstance(preview, Placed) and preview.preview and cluster.state.instances() == {}
+        assert preview.stage_bytes == (GIB,)
+        placed = await leader.place(ask())
+        assert isinstance(placed, Placed) and not placed.preview
+        assert [r.model for r in cluster.state.instances().values()] == ["tiny"]
+        assert await leader.place(ask()) == Exists(instance=placed.instance)
+        too_many = await leader.place(ask("other", nodes=3))
+        assert isinstance(too_many, Invalid) and too_many.kind == "does_not_fit"
+        cluster.leading = False
+        not_leader = await leader.place(ask("other"))
+        assert isinstance(not_leader, Unavailable) and not_leader.kind == "not_leader"
+
+    run(main)
+
+
+def test_delete_answers_deleted_then_not_found() -> None:
+    async def main() -> None:
+        cluster, leader = leader_of({ME: 8 * GIB})
+        placed = await leader.place(ask())
+        assert isinstance(placed, Placed)
+        request = DeleteInstance(instance_id=placed.instance.id)
+        assert await leader.delete(request) == Deleted(instance=placed.instance)
+        gone = await leader.delete(request)
+        assert isinstance(gone, NotFound) and gone.kind == "instance" and cluster.state.instances() == {}
+
+    run(main)
+
+
+def test_the_shape_cache_is_read_before_anything_is_resolved() -> None:
+    async def main() -> None:
+        reader = Reader()
+        shapes = ShapeCache(reader)
+        shapes.remember("tiny", SHAPE)
+        assert await shapes.get("tiny") == SHAPE and reader.read == []
+        with pytest.raises(ValueError):
+            await shapes.get("missing")
+        with pytest.raises(ValueError):
+            await shapes.get("missing")
+        assert reader.read == ["missing", "missing"]  # a failure is not cached
+
+    run(main)
+
+
+def test_repair_re_places_with_the_shape_it_learnt_without_resolving() -> None:
+    async def main() -> None:
+        reader = Reader()
+        cluster, leader = leader_of({ME: GIB // 2, OTHER: 8 * GIB}, reader)
+        placed = await leader.place(ask())
+        assert isinstance(placed, Placed) and placed.instance.stages[0].node_id == OTHER
+        cluster.dies(OTHER)
+        cluster.memory[ME] = 8 * GIB
+        async with trio.open_nursery() as nursery:
+            leader.repair_nowait(nursery)
+        (record,) = cluster.state.instances().values()
+        assert [s.node for s in record.stages] == [ME] and record.instance_id == placed.instance.id
+        assert reader.read == []  # the new leader resolved (downloaded) nothing
+
+    run(main)
+
+
+def test_repair_that_does_not_fit_is_retried_after_a_backoff(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        cluster, leader = leader_of({ME: GIB // 2, OTHER: 8 * GIB})
+        assert isinstance(await leader.place(ask()), Placed)
+        cluster.dies(OTHER)
+        cluster.asked_memory_at.clear()
+        async with trio.open_nursery() as nursery:
+            for second in range(130):  # the manager's loop: a pass at least once a second
+                if second == 70:
+                    cluster.memory[ME] = 8 * GIB  # memory freed up: the next try succeeds
+                leader.repair_nowait(nursery)
+                await trio.sleep(1.0)
+        assert cluster.asked_memory_at == pytest.approx([0, 2, 6, 14, 30, 62, 122])  # 2 s doubling to 60
+        (record,) = cluster.state.instances().values()
+        assert record.stages[0].node == ME
+
+    with caplog.at_level(logging.WARNING, logger="shoal.instances"):
+        run(main)
+    assert len([r for r in caplog.records if "cannot be re-placed" in r.getMessage()]) == 6
+
+
+def test_repair_never_brings_back_an_instance_deleted_while_its_shape_was_read() -> None:
+    async def main() -> None:
+        cluster, leader = leader_of({ME: 8 * GIB, OTHER: 8 * GIB}, Reader(delay=5.0))
+        record = InstanceRecord(InstanceId("i1"), ModelId("tiny"), (StageAssignment(OTHER, 0, 4),), "tiny")
+        await cluster.put_instance(record)
+        cluster.dies(OTHER)
+        async with trio.open_nursery() as nursery:
+            leader.repair_nowait(nursery)  # no shape cached: it reads one (5 s)
+            await trio.sleep(1.0)
+            await cluster.remove_instance(record.instance_id)
+        assert cluster.state.instances() == {}
+
+    run(main)
+
+
+class FakeMesh:
+    def __init__(self, answer: Callable[[bytes], bytes]) -> None:
+        self.answer = answer
+        self.asked: list[str] = []
+
+    async def request(self, peer_id: str, payload: bytes, protocol: str = "") -> bytes:
+        self.asked.append(peer_id)
+        return self.answer(payload)
+
+
+def requests_of(
+    cluster: FakeCluster, answer: Callable[[bytes], bytes], reader: Reader
+) -> tuple[InstanceRequests, FakeMesh]:
+    mesh = FakeMesh(answer)
+    shapes = ShapeCache(reader)
+    return InstanceRequests(cluster, mesh, LeaderControl(cluster, shapes), shapes), mesh
+
+
+def test_what_a_node_asks_the_leader_comes_back_as_outcomes() -> None:
+    def unreachable(payload: bytes) -> bytes:
+        raise RequestError("connection refused")
+
+    async def main() -> None:
+        reader = Reader()
+        cluster = FakeCluster({ME: 8 * GIB})
+        requests, mesh = requests_of(cluster, unreachable, reader)
+        missing = await requests.place("nowhere", None, preview=False)
+        assert isinstance(missing, NotFound) and missing.kind == "model"
+        assert isinstance(await requests.place("tiny", None, preview=False), Placed)  # this node leads
+        assert mesh.asked == []
+        cluster.decision = Decision(None, 1, ME, claim=False)
+        assert isinstance(await requests.delete("x"), Unavailable)
+        cluster.decision = Decision(OTHER, 2, OTHER, claim=False)
+        no_answer = await requests.place("tiny", None, preview=True)
+        assert isinstance(no_answer, Unavailable) and no_answer.kind == "no_answer" and mesh.asked == [OTHER]
+        assert reader.read == ["nowhere", "tiny"]  # the second request found the shape in the cache
+        mesh.answer = lambda payload: encode_control(StageAddressAnswer(address=None))
+        wrong = await requests.delete("x")
+        assert isinstance(wrong, Unavailable) and "stage_address_answer" in wrong.reason
+        not_found = NotFound(kind="instance", reason="no instance 'x'")
+        mesh.answer = lambda payload: encode_control(not_found)
+        assert await requests.delete("x") == not_found
+
+    run(main)
+
+
+def test_ensure_places_the_model_once_there_is_a_leader() -> None:
+    async def main() -> None:
+        cluster = FakeCluster({ME: 8 * GIB})
+        requests, _ = requests_of(cluster, lambda payload: b"", Reader())
+        with trio.fail_after(5):
+            await requests.ensure("tiny")
+            await requests.ensure("tiny")  # already served: nothing more
+        assert [r.model for r in cluster.state.instances().values()] == ["tiny"]
+
+    run(main)
