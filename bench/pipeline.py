@@ -10,7 +10,7 @@ report working, per hop.
 
     .venv/bin/python bench/pipeline.py [--tokens 32] [--repeats 5] [--fast]
 
-`--fast` runs every process (this one included) on the BLAS fast path of `node.runner.fastpath`.
+`--fast` runs every process (this one included) on the BLAS fast path of `node.cpu.fastpath`.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true", help="use the BLAS fast path in every process")
     args = parser.parse_args()
     if args.fast and "SHOAL_OPENBLAS_LIB" not in os.environ:
-        from node.runner.fastpath import decide
+        from node.cpu.fastpath import decide
 
         fast = decide()
         print(fast.message, file=sys.stderr)

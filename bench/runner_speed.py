@@ -42,8 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import builtin_model, chat_body, loadavg, stream_chat
-from node.runner import fastpath
-from node.runner.fastpath import usable_cores
+from node.cpu import fastpath
+from node.cpu.fastpath import usable_cores
 from tests.model_factory import make_random_model
 from tests.nodes import start_node
 

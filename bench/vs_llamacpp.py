@@ -52,7 +52,7 @@ from bench.llamacpp import (
     prepare_ggufs,
 )
 from bench.runner_speed import STORY, memory_bandwidth, messages, prompt_text
-from node.runner.fastpath import usable_cores
+from node.cpu.fastpath import usable_cores
 from tests.nodes import RunningNode, spawn_node
 
 PROMPT_TOKENS = 500

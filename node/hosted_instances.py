@@ -17,7 +17,6 @@ from pathlib import Path
 
 import trio
 
-from node.backoff import Backoff, BackoffPolicy
 from node.hosted_stages import (
     StageMesh,
     StageRoute,
@@ -29,6 +28,7 @@ from node.hosted_stages import (
 )
 from node.models import ResolvedModel
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import StageAddress, StageAddressAnswer
 from protocol.ids import InstanceId, ModelId, NodeId

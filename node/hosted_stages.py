@@ -20,11 +20,11 @@ from typing import NoReturn, Protocol
 
 import trio
 
-from node.backoff import RESTART, Backoff
+from node.cpu.fastpath import runner_environment
 from node.net.mesh import RequestError
 from node.pipeline.stage import spawn_stage, wait_ready
-from node.runner.fastpath import runner_environment
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from protocol.backoff import RESTART, Backoff
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import (
     CONTROL_PROTOCOL,

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import trio
 
-from node.backoff import Backoff, BackoffPolicy
 from node.model_shapes import ShapeCache
+from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster import ClusterState, NotLeaderError
 from protocol.cluster_records import InstanceRecord
 from protocol.cluster_view import InstanceView, StageView

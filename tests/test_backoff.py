@@ -8,8 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from node.backoff import RESTART, Backoff, BackoffPolicy
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from protocol.backoff import RESTART, Backoff, BackoffPolicy
 from protocol.ids import ModelId
 
 MIDDLE = 0.5

@@ -12,9 +12,9 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
+from node.cpu import kernel_layers
+from node.cpu.dtype import apply_dtype_policy
 from node.native import KernelLoad, load_kernels
-from node.runner import kernels as kernel_layers
-from node.runner.dtype import apply_dtype_policy
 from node.runner.engine import load_model
 from tests.model_factory import dequantized_copy, make_random_model, quantized_copy, write_model_folder
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from node.runner import fastpath
+from node.cpu import fastpath
 from tests.nodes import RunningNode, start_node
 
 SHIM = fastpath.DEFAULT_SHIM

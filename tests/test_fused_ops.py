@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from node.cpu.fused import install_fused_ops, original_op, uninstall_fused_ops
 from node.native import load_kernels
-from node.runner.fused import install_fused_ops, original_op, uninstall_fused_ops
 from tests.model_factory import make_random_model
 
 KERNELS = load_kernels().module

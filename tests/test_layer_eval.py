@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from node.cpu.layer_eval import _EvaluatedInPrefill
 from node.runner.engine import load_model
-from node.runner.layer_eval import _EvaluatedInPrefill
 from tests.model_factory import make_random_model
 
 

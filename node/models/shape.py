@@ -11,7 +11,7 @@ much JSON naming each tensor's dtype, shape and byte range); no tensor is read. 
 `num_hidden_layers` (e.g. a multi-token-prediction layer) are not loaded by mlx-lm and not counted.
 Any other tensor is an error: the model cannot be split by layers if we do not know where it goes.
 
-Bytes at run time can differ from bytes on disk (see `node.runner.dtype`): on the CPU the runner
+Bytes at run time can differ from bytes on disk (see `node.cpu.dtype`): on the CPU the runner
 keeps affine 4/8-bit layers and 16-bit matrices as stored on its kernels (`kernels=True`) and
 runs everything else in float32 (everything, without the kernels). `runtime_dtype_bytes=4` counts
 that: a float tensor at 4 bytes per element, an mlx-quantized weight (a uint32 `weight` packing
@@ -62,7 +62,7 @@ DTYPE_BYTES = {
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 HALF_DTYPES = frozenset({"F16", "BF16"})
 KERNEL_BITS = frozenset({4, 8})
-"""What the CPU kernels keep as stored (node.runner.kernels): 16-bit matrices, affine 4/8-bit layers."""
+"""What the CPU kernels keep as stored (node.cpu.kernel_layers): 16-bit matrices, affine 4/8-bit layers."""
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -87,7 +87,7 @@ def model_shape(
     `context_length` defaults to the config's `max_position_embeddings`. `runtime_dtype_bytes`
     (e.g. 4 for float32 on the CPU) counts weights and KV cache at that size; None counts them as
     stored. `kernels` (with `runtime_dtype_bytes`): the runner's CPU kernels keep affine 4/8-bit
-    layers and 2-D 16-bit weights as stored (`node.runner.dtype`), so those count as stored and
+    layers and 2-D 16-bit weights as stored (`node.cpu.dtype`), so those count as stored and
     only the rest at `runtime_dtype_bytes`. Raises `ModelShapeError` for a missing or malformed
     config or header, a tensor that is not a layer, embedding or head, or a layer without tensors.
     """

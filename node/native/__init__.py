@@ -1,8 +1,8 @@
 """Shoal's native parts, built from `native/` when the package is installed (`setup.py`).
 
 - `_kernels`: an MLX extension whose `weight_matmul` multiplies by weights kept as stored (MLX
-  affine 4/8-bit, float16, bfloat16) on all cores of the CPU; see `node.runner.kernels`.
-- `libshoal_blas_shim.so`: the float32 BLAS shim the runner preloads (`node.runner.fastpath`).
+  affine 4/8-bit, float16, bfloat16) on all cores of the CPU; see `node.cpu.kernel_layers`.
+- `libshoal_blas_shim.so`: the float32 BLAS shim the runner preloads (`node.cpu.fastpath`).
 
 Either can be missing (no C++ compiler at install time, not Linux, `SHOAL_NATIVE=0` when
 installing); `load_kernels` then says why in one sentence and callers use plain MLX. The

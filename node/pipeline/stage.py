@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare = None
     if args.dtype == "auto":
-        from node.runner.dtype import apply_dtype_policy
+        from node.cpu.dtype import apply_dtype_policy
 
         prepare = apply_dtype_policy
     shard = load_shard(args.model_path, start=args.start, end=args.end, prepare=prepare)

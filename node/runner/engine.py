@@ -21,7 +21,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from node.runner.dtype import apply_dtype_policy
+from node.cpu.dtype import apply_dtype_policy
 from node.runner.formats import ChatFormat, PromptError, chat_format_for
 from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
+from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import HopError, parse_address
 from node.pipeline.shard import SamplingParams, load_shard
-from node.runner.dtype import apply_dtype_policy
 from node.runner.engine import LoadedModel, RequestOutput, admit, loaded_model
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent, FinishReason, GenerationError

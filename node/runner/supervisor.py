@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
-from node.backoff import RESTART, Backoff
-from node.runner.fastpath import runner_environment
+from node.cpu.fastpath import runner_environment
+from protocol.backoff import RESTART, Backoff
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent, Finish, GenerationError, is_terminal
 from protocol.ids import ModelId, RequestId
@@ -62,7 +62,7 @@ class RunnerSpec:
     exit_grace_s: float = 2.0
     """How long a runner gets to exit after its stdin closes before it is killed."""
     fast_path: bool = True
-    """Optimized BLAS and thread count for the runner on Linux CPUs (`node.runner.fastpath`)."""
+    """Optimized BLAS and thread count for the runner on Linux CPUs (`node.cpu.fastpath`)."""
     pipeline: tuple[int, str, tuple[str, ...]] | None = None
     """Pipeline mode: (end layer k, host the last stage dials back, HOST:PORT of the later stages);
     the runner then holds layers [0, k) and drives the others (`node.runner.pipeline_mode`)."""

@@ -22,7 +22,7 @@ Environment knobs, read from the node's environment:
 - `SHOAL_BLAS_THREADS` (or else `OPENBLAS_NUM_THREADS`), when set, is the user's thread count;
   the runner gets it as SHOAL_BLAS_THREADS (the shim's pool) and OPENBLAS_NUM_THREADS=1.
 
-Run `python -m node.runner.fastpath` to see the decision and the variables it would set.
+Run `python -m node.cpu.fastpath` to see the decision and the variables it would set.
 """
 
 from __future__ import annotations

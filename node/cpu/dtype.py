@@ -4,13 +4,13 @@ On the CPU, MLX's own bfloat16, float16 and quantized kernels are single-threade
 (a 4-bit Qwen3-0.6B shape decodes at ~0.3 tok/s here). So:
 
 1. With the native kernels (`node.native`, built at install), affine 4/8-bit layers and 16-bit
-   Linear/Embedding layers stay as stored and multiply on the kernels (`node.runner.kernels`):
+   Linear/Embedding layers stay as stored and multiply on the kernels (`node.cpu.kernel_layers`):
    memory is the stored size and decode reads the stored bytes. What the kernels cannot hold
    (other bit widths, mixture-of-experts layers) is dequantized to float32 when memory allows,
    and small float parameters (norms, biases) become float32, the activations' dtype.
 2. Without them (not built, `--no-fast-path`, SHOAL_KERNELS=0), as before: bf16/fp16 parameters
    become float32 and quantized layers their float32 dense equivalents, whose matmuls go to
-   OpenBLAS through the BLAS shim (`node.runner.fastpath`), when memory allows.
+   OpenBLAS through the BLAS shim (`node.cpu.fastpath`), when memory allows.
 
 On a GPU (Metal, CUDA) the weights stay as stored: there MLX's own kernels are the fast ones.
 The model must come from `mlx_lm.load(..., lazy=True)`, so that conversion reads each weight
@@ -31,16 +31,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from node.native import KernelLoad, load_kernels
-from node.runner.fused import install_fused_ops
-from node.runner.kernels import (
+from node.cpu.fused import install_fused_ops
+from node.cpu.kernel_layers import (
     KernelHalfEmbedding,
     KernelHalfLinear,
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
     kernel_layer,
 )
-from node.runner.layer_eval import evaluate_layers_in_prefill
+from node.cpu.layer_eval import evaluate_layers_in_prefill
+from node.native import KernelLoad, load_kernels
 
 log = logging.getLogger("shoal.runner")
 
@@ -193,7 +193,7 @@ def _to_float32(model: nn.Module, quantized: list[tuple[str, Any]]) -> None:
 
 def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False when the user turned the fast path off: `--no-fast-path` puts SHOAL_KERNELS=0 in the
-    runner's environment (`node.runner.fastpath.decide`); SHOAL_FAST_PATH=0 does the same."""
+    runner's environment (`node.cpu.fastpath.decide`); SHOAL_FAST_PATH=0 does the same."""
     environ = os.environ if environ is None else environ
     off = ("0", "off", "no", "false")
     return all(
