@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import psutil
 import pytest
 
-from node.models import GGUFImportError, builtin_gguf_path, ensure_gguf_model
+from node.models import GGUFImportError, builtin_gguf_path, ensure_gguf_model, gguf_convert
 from node.models import gguf as gguf_module
 from tests.test_gguf_import import Q, TinyModel, write_tiny_gguf
 
@@ -28,7 +29,7 @@ def tiny_q4(tmp_path: Path) -> Path:
 def test_the_import_runs_in_a_child_process(
     tiny_q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gguf_module, "_import", _no_import_here)
+    monkeypatch.setattr(gguf_convert, "convert", _no_import_here)
     monkeypatch.setattr(gguf_module, "import_gguf", _no_import_here)
     active = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -78,3 +79,10 @@ def test_importing_smollm2_does_not_grow_the_callers_memory(tmp_path: Path) -> N
     grown = process.memory_info().rss - before
     assert grown < 20 * 2**20, f"the caller grew by {grown / 2**20:.0f} MiB"
     assert (out / "model.safetensors").stat().st_size > 90 * 2**20
+
+
+def test_the_node_side_of_models_loads_no_import_libraries() -> None:
+    """numpy, gguf-py and tokenizers stay in the child: the node process never pays their memory."""
+    code = "import sys, node.models; print(sorted({'numpy', 'gguf', 'tokenizers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

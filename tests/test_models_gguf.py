@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 from node.models import GGUFImportError, builtin_gguf_path, import_gguf
-from node.models.gguf import read_gguf
 from node.models.gguf_arch import build_config, hf_tensor_name, unpermute_order
+from node.models.gguf_convert import read_gguf
 from node.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
 from tests.model_factory import make_random_model, write_llama_gguf
 

@@ -21,12 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from node.models.store import ModelResolveError
-
-
-class GGUFImportError(ModelResolveError):
-    """A .gguf file that cannot be turned into a faithful mlx-lm model folder."""
-
+from node.models.gguf import GGUFImportError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """GGUF `general.architecture` -> HF architecture; the mlx-lm `model_type` is the same word."""

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from node.models.gguf import CHILD_IMPORT_ERROR_RC, GGUFImportError, _import
+from node.models.gguf import CHILD_IMPORT_ERROR_RC, GGUFImportError
+from node.models.gguf_convert import convert
 
 
 def main(argv: list[str]) -> int:
@@ -20,7 +21,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m node.models.gguf_child SRC.gguf DST_DIR", file=sys.stderr)
         return 64
     try:
-        summary = _import(Path(argv[0]), Path(argv[1]))
+        summary = convert(Path(argv[0]), Path(argv[1]))
     except GGUFImportError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return CHILD_IMPORT_ERROR_RC

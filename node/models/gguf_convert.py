@@ -1,0 +1,168 @@
+"""The GGUF import's conversion, run in the child process (`gguf_child`) or by `import_gguf`.
+
+It reads the file with numpy and gguf-py and writes the mlx-lm folder; see `node.models.gguf` for
+what the import keeps and why it runs out of the node's process. Importing this module loads
+numpy, gguf and tokenizers, so the node process never does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+from node.models.gguf import MARKER_FILE, WEIGHTS_FILE, GGUFImportError, source_stamp
+from node.models.gguf_arch import (
+    PERMUTED_QK,
+    build_config,
+    check_tensor_names,
+    hf_tensor_name,
+    is_quantizable,
+    unpermute_order,
+)
+from node.models.gguf_quants import (
+    AFFINE_BITS,
+    GROUP_SIZE,
+    PLAIN_DTYPES,
+    REQUANTIZED,
+    UnsupportedQuantError,
+    convert_rows,
+    row_chunks,
+)
+from node.models.gguf_safetensors import SafetensorsWriter
+from node.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
+from node.models.store import publish_dir, staging_dir
+
+
+def read_gguf(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any]]:
+    """The memory-mapped reader of a GGUF file and its metadata as plain Python values."""
+    try:
+        reader = GGUFReader(gguf_path)
+        meta = {key: field.contents() for key, field in reader.fields.items()}
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
+        raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {exc}") from exc
+    return reader, meta
+
+
+class _Tensor:
+    """One GGUF tensor as raw rows, with where it goes: its HF name, row order and output form."""
+
+    def __init__(self, tensor: Any, arch: str, config: Mapping[str, Any]) -> None:
+        self.gguf_name = str(tensor.name)
+        self.hf_name = hf_tensor_name(self.gguf_name, arch)
+        self.qtype = GGMLQuantizationType(int(tensor.tensor_type))
+        self.shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the row length first
+        self.cols = self.shape[-1]
+        self.rows = int(np.prod(self.shape[:-1]))
+        self.raw = np.asarray(tensor.data).view(np.uint8).reshape(self.rows, -1)
+        self.order: np.ndarray[Any, Any] | None = None
+        if arch in PERMUTED_QK and self.hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in self.hf_name else "num_key_value_heads"]
+            self.order = unpermute_order(self.rows, heads)
+        if self.qtype in PLAIN_DTYPES:
+            self.bits: int | None = None
+        elif self.qtype not in AFFINE_BITS:
+            raise GGUFImportError(f"tensor {self.gguf_name!r} has type {self.qtype.name}: not supported")
+        elif not is_quantizable(self.hf_name) or len(self.shape) != 2:
+            raise GGUFImportError(
+                f"tensor {self.gguf_name!r} is {self.qtype.name}, but only Linear/Embedding weights"
+                " can stay quantized in MLX"
+            )
+        else:
+            self.bits = AFFINE_BITS[self.qtype]
+
+    def specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        if self.bits is None:
+            return {self.hf_name: (PLAIN_DTYPES[self.qtype], self.shape)}
+        base = self.hf_name.removesuffix(".weight")
+        groups = (self.rows, self.cols // GROUP_SIZE)
+        return {
+            self.hf_name: ("U32", (self.rows, self.cols * self.bits // 32)),
+            f"{base}.scales": ("F16", groups),
+            f"{base}.biases": ("F16", groups),
+        }
+
+    def write(self, out: SafetensorsWriter) -> None:
+        """Convert and write row chunk by row chunk, in HF row order."""
+        names = list(self.specs())
+        for start, stop in row_chunks(self.rows, self.cols):
+            rows = self.raw[start:stop] if self.order is None else self.raw[self.order[start:stop]]
+            if self.bits is None:
+                out.write_at(names[0], start * rows.shape[1], rows)
+                continue
+            try:
+                parts = convert_rows(self.qtype, rows, self.cols)
+            except UnsupportedQuantError as exc:
+                raise GGUFImportError(f"tensor {self.gguf_name!r}: {exc}") from exc
+            arrays: tuple[np.ndarray[Any, Any], ...] = parts
+            for name, part in zip(names, arrays, strict=True):
+                out.write_at(name, start * part[0].nbytes, part)
+
+
+def quantization_config(tensors: list[_Tensor]) -> dict[str, Any] | None:
+    """mlx-lm's `quantization`: the most common bits, plus an entry per module with other bits."""
+    bits = {t.hf_name.removesuffix(".weight"): t.bits for t in tensors if t.bits is not None}
+    if not bits:
+        return None
+    default = min(Counter(bits.values()).most_common(), key=lambda kv: (-kv[1], kv[0]))[0]
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default, "mode": "affine"}
+    for module, b in sorted(bits.items()):
+        if b != default:
+            config[module] = {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
+    return config
+
+
+def _summary(gguf_path: Path, tensors: list[_Tensor]) -> str:
+    kinds = Counter(t.qtype.name for t in tensors)
+    text = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    requantized = sum(1 for t in tensors if t.qtype in REQUANTIZED)
+    if requantized:
+        text += f"; {requantized} Q6_K tensors requantized to 8-bit affine (no exact group-32 form)"
+    return f"imported {gguf_path.name}: {text} tensors kept as stored"
+
+
+def convert(gguf_path: Path, out_dir: Path) -> str:
+    """The import itself; returns a one-line summary of what was kept and what was requantized."""
+    reader, meta = read_gguf(gguf_path)
+    arch = str(meta.get("general.architecture"))
+    by_name = {str(t.name): t for t in reader.tensors}
+    rope = by_name.pop("rope_freqs.weight", None)
+    rope_freqs = None if rope is None else np.asarray(rope.data, dtype=np.float32)
+    try:
+        config = build_config(meta, has_output="output.weight" in by_name, rope_freqs=rope_freqs)
+    except GGUFImportError as exc:
+        raise GGUFImportError(f"{gguf_path}: {exc}") from exc
+    check_tensor_names(by_name, arch, config["num_hidden_layers"])
+    tensors = [_Tensor(t, arch, config) for t in by_name.values()]
+    embed_rows = next(t.rows for t in tensors if t.gguf_name == "token_embd.weight")
+    if embed_rows != config["vocab_size"]:
+        raise GGUFImportError(f"token_embd has {embed_rows} rows but the vocabulary {config['vocab_size']}")
+    if quant := quantization_config(tensors):
+        config["quantization"] = quant
+        config["quantization_config"] = quant  # both, as mlx-lm's own quantized checkpoints have
+    try:
+        tokenizer = build_tokenizer(meta)
+    except GGUFTokenizerError as exc:
+        raise GGUFImportError(f"{gguf_path}: {exc}") from exc
+    tok_config = tokenizer_config(meta, context_length=config["max_position_embeddings"])
+
+    specs = {name: spec for t in tensors for name, spec in t.specs().items()}
+    with staging_dir(out_dir) as staging:
+        with SafetensorsWriter(staging / WEIGHTS_FILE, specs, metadata={"format": "mlx"}) as out:
+            for tensor in tensors:
+                tensor.write(out)
+        _write_json(staging / "config.json", config)
+        tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", tok_config)
+        _write_json(staging / MARKER_FILE, source_stamp(gguf_path))  # last: the import is complete
+        publish_dir(staging, out_dir)
+    return _summary(gguf_path, tensors)
+
+
+def _write_json(path: Path, value: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
