@@ -102,7 +102,7 @@ def test_bad_arguments_are_clear_errors() -> None:
         k.weight_matmul(mx.zeros((1, 32)), wq, scales, biases, group_size=32, bits=4)
     with pytest.raises(ValueError, match="group size must be 32, 64 or 128"):
         k.weight_matmul(mx.zeros((1, 64)), wq, scales, biases, group_size=16, bits=4)
-    with pytest.raises(ValueError, match="need scales and biases"):
+    with pytest.raises(ValueError, match="affine weights need scales"):
         k.weight_matmul(mx.zeros((1, 64)), wq, group_size=32, bits=4)
     with pytest.raises(ValueError, match="weights must be uint32"):
         k.weight_matmul(mx.zeros((1, 64)), mx.zeros((16, 64)))

@@ -59,6 +59,14 @@ void to_floats(const void* p, ScaleType t, long at, int count, float* out) {
   for (; i < count; i++) out[i] = t == ScaleType::F16 ? _cvtsh_ss(h[i]) : bf16_scalar(h[i]);
 }
 
+// b = -2^(bits-1) s for weights that come without biases.
+void symmetric_biases(const Weights& w, const float* s, int groups, float* b) {
+  const float z = symmetric_bias(w, 1.0f);
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(b + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_set1_ps(z)));
+  for (; g < groups; g++) b[g] = z * s[g];
+}
+
 inline float dot(const float* a, const float* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   int i = 0;
@@ -244,12 +252,17 @@ void avx2_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int 
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
     const long at = static_cast<long>(n) * groups;
-    if (affine && w.scale_type == ScaleType::F32) {  // float32 scales are read where they are
+    if (affine && w.scale_type == ScaleType::F32 && w.biases) {  // float32 scales are read where they are
       s = static_cast<const float*>(w.scales) + at;
       b = static_cast<const float*>(w.biases) + at;
     } else if (affine) {
       to_floats(w.scales, w.scale_type, at, groups, s_buf);
-      to_floats(w.biases, w.scale_type, at, groups, b_buf);
+      s = s_buf;
+      if (w.biases) {
+        to_floats(w.biases, w.scale_type, at, groups, b_buf);
+      } else {
+        symmetric_biases(w, s_buf, groups, b_buf);
+      }
     }
     for (int m0 = 0; m0 < a.M; m0 += 4) {
       switch (a.M - m0 < 4 ? a.M - m0 : 4) {
@@ -290,7 +303,11 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
       continue;
     }
     to_floats(w.scales, w.scale_type, static_cast<long>(n) * groups, groups, s);
-    to_floats(w.biases, w.scale_type, static_cast<long>(n) * groups, groups, b);
+    if (w.biases) {
+      to_floats(w.biases, w.scale_type, static_cast<long>(n) * groups, groups, b);
+    } else {
+      symmetric_biases(w, s, groups, b);
+    }
     for (int k = 0; k < K; k += 32) {  // 32 weights at a time, in element order
       const int g = k / w.group_size;
       const __m256 sv = _mm256_set1_ps(s[g]), bv = _mm256_set1_ps(b[g]);

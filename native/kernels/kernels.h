@@ -4,7 +4,9 @@
 // - Affine4 / Affine8: MLX's affine quantization. A row of K weights packs 32/bits values per
 //   little-endian uint32 word, element i at bit (i * bits) % 32 (so for 4 bits byte b holds
 //   elements 2b in its low and 2b+1 in its high nibble). Each group of `group_size` (32, 64, 128)
-//   consecutive weights has a scale s and a bias b: w = s * q + b. Scales and biases are float32,
+//   consecutive weights has a scale s and a bias b: w = s * q + b. Symmetric files (GGUF Q4_0,
+//   Q8_0) have b = -2^(bits-1) s throughout; such weights come without biases (nullptr), which
+//   saves their bytes in memory and in every product (2 of Q4_0's 20 bytes per 32 weights). Scales and biases are float32,
 //   float16 or bfloat16, N x K / group_size.
 // - F16 / BF16: plain 16-bit weights.
 //
@@ -23,7 +25,7 @@ struct Weights {
   const uint8_t* data;
   long row_bytes;
   const void* scales;  // affine only
-  const void* biases;  // affine only
+  const void* biases;  // affine only; nullptr: symmetric, b = -2^(bits-1) s
   ScaleType scale_type;
   int group_size;  // affine only
   int N, K;
@@ -60,6 +62,10 @@ const Kernels& portable_kernels();
 // The AVX2+FMA+F16C kernels, or nullptr when this build or CPU has none.
 const Kernels* avx2_kernels();
 
+// The bias of a group with scale s when the weights come without biases (symmetric).
+inline float symmetric_bias(const Weights& w, float s) {
+  return -static_cast<float>(1 << ((w.format == Format::Affine4 ? 4 : 8) - 1)) * s;
+}
 // Scales and biases of row n as floats (shared by every kernel).
 void row_scales(const Weights& w, int n, float* scales, float* biases);
 // Where x[k] goes in a row of Acts::xq. The kernels read weights as 16-bit lanes and take their

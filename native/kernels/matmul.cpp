@@ -168,16 +168,16 @@ mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optio
                                 std::to_string(K));
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), w};
   if (is_affine(format)) {
-    if (!scales || !biases) throw std::invalid_argument("[shoal_matmul] affine weights need scales and biases");
+    if (!scales) throw std::invalid_argument("[shoal_matmul] affine weights need scales");
     if (group_size != 32 && group_size != 64 && group_size != 128)
       throw std::invalid_argument("[shoal_matmul] group size must be 32, 64 or 128");
     const int groups = K / group_size;
-    if (scales->shape() != mx::Shape{N, groups} || biases->shape() != scales->shape() ||
-        biases->dtype() != scales->dtype())
+    if (scales->shape() != mx::Shape{N, groups} ||
+        (biases && (biases->shape() != scales->shape() || biases->dtype() != scales->dtype())))
       throw std::invalid_argument("[shoal_matmul] scales and biases must both be [N, K / group_size], one dtype");
     scale_type_of(scales->dtype());
     inputs.push_back(*scales);
-    inputs.push_back(*biases);
+    if (biases) inputs.push_back(*biases);  // none: symmetric, b = -2^(bits-1) s
   } else if (K % 8 != 0) {
     throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
   }
@@ -200,7 +200,7 @@ void WeightMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
                   ScaleType::F32, group_size_, N, K};
   if (is_affine(format_)) {
     weights.scales = inputs[2].data<void>();
-    weights.biases = inputs[3].data<void>();
+    weights.biases = inputs.size() > 3 ? inputs[3].data<void>() : nullptr;
     weights.scale_type = scale_type_of(inputs[2].dtype());
   }
   auto& encoder = mx::cpu::get_command_encoder(stream());

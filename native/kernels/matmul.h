@@ -29,7 +29,8 @@ class WeightMatmul : public mx::Primitive {
   int group_size_;
 };
 
-// y = x @ dequantize(w, scales, biases).T (affine) or x @ w.T (16-bit w, scales/biases absent).
+// y = x @ dequantize(w, scales, biases).T (affine; biases absent: symmetric, b = -2^(bits-1) s) or
+// x @ w.T (16-bit w, scales/biases absent).
 // x: float32 [..., K]; w: uint32 [N, K * bits / 32] or float16/bfloat16 [N, K]. Returns float32.
 mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
                         const std::optional<mx::array>& biases, int group_size, int bits,

@@ -113,7 +113,7 @@ void row_scales(const Weights& w, int n, float* scales, float* biases) {
   long at = static_cast<long>(n) * groups;
   for (int g = 0; g < groups; g++) {
     scales[g] = scale_at(w.scales, w.scale_type, at + g);
-    biases[g] = scale_at(w.biases, w.scale_type, at + g);
+    biases[g] = w.biases ? scale_at(w.biases, w.scale_type, at + g) : symmetric_bias(w, scales[g]);
   }
 }
 
