@@ -19,7 +19,8 @@ import httpx
 
 from node.models import default_data_dir, ensure_builtin_model
 from tests.model_factory import make_random_model
-from tests.nodes import RunningNode, agreed_leader, start_node, wait_until
+from tests.nodes import RunningNode, agreed_leader, start_node
+from tests.waiting import wait_until
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 """The chat message the serving and pipeline benchmarks send (one user turn, greedy)."""

@@ -46,7 +46,8 @@ from bench.common import (
     stop_all,
     stream_chat,
 )
-from tests.nodes import RunningNode, wait_until
+from tests.nodes import RunningNode
+from tests.waiting import wait_until
 
 READY_TIMEOUT = 300
 """Seconds for an instance's runner (and stages) to load; the machine may be busy with other work."""

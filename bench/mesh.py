@@ -1,11 +1,14 @@
 """Mesh figures: agreement time for 3/5/8 real node processes, simulated convergence for 50/100 nodes,
-leader failover, newcomer discovery and gossip traffic at rest.
+leader failover, a frozen node's detection, newcomer discovery and gossip traffic at rest.
 
     .venv/bin/python bench/mesh.py [--sizes 3 5 8] [--rest-seconds 10]
 
-Real nodes run `shoal run --no-model` on 127.0.0.1 with bootstrap peers (no multicast here). The
-simulation runs the real state, merge and codec code over an in-memory network with message loss;
-one round is one heartbeat interval of the real protocol.
+Real nodes run `shoal run --no-model` on 127.0.0.1 with bootstrap peers (no multicast here).
+Failure detection: kill -9 of the leader (its connections close: the fast signal) and SIGSTOP of a
+follower (connections stay open: judged by silence), then SIGCONT; the same periods are checked on
+trio's mock clock in tests/test_cluster_service.py. The simulation runs the real state, merge and
+codec code over an in-memory network with message loss; one round is one heartbeat interval of the
+real protocol.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common
 from protocol.cluster_sim import SimConfig, simulate
 from protocol.membership import FailureDetectorConfig
-from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_until
+from tests.nodes import RunningNode, agreed_leader, start_node, statuses
+from tests.waiting import wait_until
 
 
 def start_cluster(size: int, root: Path) -> tuple[list[RunningNode], float]:
@@ -39,14 +42,15 @@ def start_cluster(size: int, root: Path) -> tuple[list[RunningNode], float]:
 def newcomer_seen(nodes: list[RunningNode], root: Path) -> tuple[RunningNode, float]:
     """Seconds from a newcomer's p2p listener being up to every existing node listing it alive."""
     newcomer = start_node("--peer", nodes[0].p2p_addr, data_dir=root / "newcomer", model=None)
+    begin = time.monotonic()
     try:
-        seen = wait_until(
+        wait_until(
             lambda: all(statuses(n).get(newcomer.node_id) == "alive" for n in nodes), 20, "newcomer seen"
         )
     except BaseException:
         newcomer.stop()
         raise
-    return newcomer, seen
+    return newcomer, time.monotonic() - begin
 
 
 def traffic_at_rest(nodes: list[RunningNode], seconds: float) -> float:
@@ -73,19 +77,32 @@ def _logged_at(node: RunningNode, pattern: str, since: datetime) -> datetime:
     raise AssertionError(f"{node.node_id} never logged {pattern!r}")
 
 
+def frozen(nodes: list[RunningNode]) -> tuple[float, float]:
+    """SIGSTOP a follower: seconds until all the others mark it dead; after SIGCONT, seconds until
+    all mark it alive again (from their log lines, as `failover`)."""
+    leader_id = wait_until(lambda: agreed_leader(nodes), 20, "an agreed leader")
+    follower = next(n for n in nodes if n.node_id != leader_id)
+    others = [n for n in nodes if n is not follower]
+    stopped = datetime.now()
+    follower.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: all(statuses(o)[follower.node_id] == "dead" for o in others), 20, "dead")
+    finally:
+        woken = datetime.now()
+        follower.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: all(statuses(o)[follower.node_id] == "alive" for o in others), 20, "alive")
+    dead = max(_logged_at(o, f"member {follower.node_id}: \\w+ -> dead", stopped) for o in others)
+    back = max(_logged_at(o, f"member {follower.node_id}: dead -> alive", woken) for o in others)
+    return (dead - stopped).total_seconds(), (back - woken).total_seconds()
+
+
 def failover(nodes: list[RunningNode]) -> tuple[float, float]:
     """kill -9 the leader: seconds until all survivors mark it dead, and until all follow a new one.
 
     Read from the nodes' own log lines (millisecond timestamps): polling 8 APIs on 2 cores would
     add its own seconds."""
-    views: list[Any] = []
-    for _ in range(200):  # a newcomer with the smallest id may still be taking over: wait for one view
-        if leader_id := agreed_leader(nodes):
-            break
-        views = [(n.node_id[-6:], n.cluster()["leader"], n.cluster()["term"], statuses(n)) for n in nodes]
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"no agreed leader before the kill: {views}")
+    # A newcomer with the smallest id may still be taking over: wait for one view.
+    leader_id = wait_until(lambda: agreed_leader(nodes), 10, "an agreed leader before the kill")
     leader = next(n for n in nodes if n.node_id == leader_id)
     survivors = [n for n in nodes if n is not leader]
     killed = datetime.now()
@@ -122,7 +139,7 @@ def main() -> None:
     print("\nreal node processes on 127.0.0.1 (shoal run --no-model, bootstrap peers)")
     print(
         f"{'nodes':>6} {'start->agreed s':>16} {'newcomer seen s':>16} {'rest B/s/node':>14}"
-        f" {'dead noticed s':>15} {'new leader s':>13}"
+        f" {'frozen dead s':>14} {'woken alive s':>14} {'dead noticed s':>15} {'new leader s':>13}"
     )
     for size in args.sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -132,10 +149,16 @@ def main() -> None:
                 nodes.append(newcomer)
                 wait_until(lambda: agreed_leader(nodes), 30, "agreed with the newcomer")  # noqa: B023
                 rest = traffic_at_rest(nodes, args.rest_seconds)
+                silent, woken = frozen(nodes)
                 dead, leader = failover(nodes)
             finally:
+                for node in nodes:
+                    node.process.send_signal(signal.SIGCONT)
                 common.stop_all(nodes)
-            print(f"{size:>6} {agreed:>16.2f} {seen:>16.2f} {rest:>14.0f} {dead:>15.2f} {leader:>13.2f}")
+            print(
+                f"{size:>6} {agreed:>16.2f} {seen:>16.2f} {rest:>14.0f} {silent:>14.2f} {woken:>14.2f}"
+                f" {dead:>15.2f} {leader:>13.2f}"
+            )
 
 
 if __name__ == "__main__":

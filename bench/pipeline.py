@@ -11,6 +11,10 @@ report working, per hop.
     .venv/bin/python bench/pipeline.py [--tokens 32] [--repeats 5] [--fast]
 
 `--fast` runs every process (this one included) on the BLAS fast path of `node.cpu.fastpath`.
+
+Last, failure detection: a 2-stage pipeline's stage process is killed (kill -9) or frozen
+(SIGSTOP) 3 tokens into a long generation; the seconds until the driver raises `HopError`, beside
+the hop timeout that bounds a freeze (tests assert only that it is raised, and what it says).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import argparse
 import functools
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -33,9 +39,10 @@ import mlx.core as mx
 from mlx_lm import load, stream_generate
 
 from bench.common import PROMPT, builtin_model, random_380mb, timed
-from node.pipeline.driver import PipelineGenerator
+from node.pipeline.driver import PipelineError, PipelineGenerator
+from node.pipeline.hop import HOP_TIMEOUT, HopError
 from node.pipeline.shard import even_split, load_shard
-from node.pipeline.stage import spawn_stage, wait_ready
+from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
 
 
 @dataclass
@@ -47,7 +54,7 @@ class Result:
 
 
 @contextmanager
-def pipeline(model_dir: Path, stages: int) -> Iterator[PipelineGenerator]:
+def pipeline(model_dir: Path, stages: int) -> Iterator[tuple[PipelineGenerator, list[StageProcess]]]:
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     ranges = even_split(num_layers, stages)
     with ExitStack() as stack:
@@ -61,7 +68,7 @@ def pipeline(model_dir: Path, stages: int) -> Iterator[PipelineGenerator]:
         )
         stack.callback(driver.close)
         driver.connect()
-        yield driver
+        yield driver, processes
 
 
 def _pipeline_run(driver: PipelineGenerator, eos: set[int], prompt: list[int], tokens: int) -> Iterator[int]:
@@ -90,7 +97,7 @@ def measure(model_dir: Path, tokens: int, repeats: int) -> dict[str, Result]:
     with ExitStack() as stack:
         for stages in (1, 2, 3):
             name = f"{stages} stage{'s' if stages > 1 else ''}"
-            drivers[name] = stack.enter_context(pipeline(model_dir, stages))
+            drivers[name] = stack.enter_context(pipeline(model_dir, stages))[0]
             paths[name] = functools.partial(_pipeline_run, drivers[name], set(tokenizer.eos_token_ids))
         reference = timed(plain(short, tokens))[1]
         for i in range(repeats + 1):  # the first round warms everything up
@@ -115,6 +122,27 @@ def measure(model_dir: Path, tokens: int, repeats: int) -> dict[str, Result]:
         )
         for name in paths
     }
+
+
+def failure_seconds(model_dir: Path) -> dict[str, float]:
+    """Seconds from a 2-stage pipeline's stage process killed or frozen, 3 tokens into a long
+    generation, to the driver's `HopError` (nan: the generation ended without noticing)."""
+    found: dict[str, float] = {}
+    for how, sig in (("stage killed", signal.SIGKILL), ("stage frozen", signal.SIGSTOP)):
+        with pipeline(model_dir, 2) as (driver, processes):
+            pid = processes[0].process.pid
+            found[how], failed_at = float("nan"), 0.0
+            try:
+                for i, _ in enumerate(driver.generate([1, 2, 3, 4], max_tokens=1000)):
+                    if i == 3:
+                        os.kill(pid, sig)
+                        failed_at = time.perf_counter()
+            except (HopError, PipelineError):
+                found[how] = time.perf_counter() - failed_at
+            finally:
+                if sig == signal.SIGSTOP:
+                    os.kill(pid, signal.SIGCONT)  # so that it can stop
+    return found
 
 
 def main() -> None:
@@ -145,6 +173,9 @@ def main() -> None:
                     f"{name:<16} {path:<24} {result.ttft_s * 1e3:>9.0f} {rate:>13.2f} "
                     f"{rate / base.decode_tps:>9.3f}x {rate / one.decode_tps:>10.3f}x {result.hop_ms:>13.3f}"
                 )
+        print(f"\nfailure detection, 2 stages of smollm2-135m (hop timeout {HOP_TIMEOUT:.1f} s)")
+        for how, seconds in failure_seconds(builtin).items():
+            print(f"{how:<16} -> HopError after {seconds:.2f} s")
 
 
 if __name__ == "__main__":

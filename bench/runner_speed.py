@@ -14,6 +14,11 @@ so its head and embedding are smaller).
 
     .venv/bin/python bench/runner_speed.py [--repeats 3] [--threads 1 2] [--models smollm2 qwen3 qwen3-f32]
         [--kernels-off]   # also Shoal with SHOAL_KERNELS=0: float32 weights, the route before the kernels
+        [--blas-only]     # only the first table: float32 products through the BLAS shim vs MLX's BLAS
+
+It starts with float32 products (a 256x1024 prompt chunk times a 1024x1024 weight, what a float32
+model's prefill does) in GFLOP/s: through the BLAS shim (OpenBLAS, the shim's pool) at the default
+and the `--threads` counts, and through MLX's own reference BLAS, in fresh processes.
 
 Shoal's prefill rate is prompt tokens / time to the first streamed token (it includes the first
 decode step and the HTTP round trip); its decode rate is (tokens - 1) / (last - first token time).
@@ -75,6 +80,41 @@ def memory_bandwidth(threads: int, gib: float = 2.0) -> float:
             list(pool.map(np.sum, parts))
             best = max(best, data.nbytes / (time.perf_counter() - start) / 1e9)
     return best
+
+
+_PRODUCTS = """
+import time, mlx.core as mx
+a, w = mx.random.normal((256, 1024)), mx.random.normal((1024, 1024))
+mx.eval(a @ w.T)
+start = time.perf_counter()
+for _ in range(8):
+    mx.eval(a @ w.T)
+print(8 * 2 * 256 * 1024 * 1024 / (time.perf_counter() - start) / 1e9)
+"""
+
+
+def product_gflops(env: dict[str, str]) -> float:
+    """GFLOP/s of float32 256x1024 @ 1024x1024 products in a fresh process with `env` added."""
+    argv = [sys.executable, "-c", _PRODUCTS]
+    done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
+def print_products(threads: list[str]) -> None:
+    """The BLAS shim (as runners get it) beside MLX's reference BLAS, side by side."""
+    fast = fastpath.decide()
+    rows = [("MLX reference BLAS", product_gflops({}))]
+    if fast.enabled:
+        rows.append((f"BLAS shim ({fast.env['SHOAL_BLAS_THREADS']} thr, default)", product_gflops(fast.env)))
+        for count in threads:
+            rows.append(
+                (f"BLAS shim ({count} thr)", product_gflops({**fast.env, "SHOAL_BLAS_THREADS": count}))
+            )
+    else:
+        print(f"  ({fast.message})")
+    print(f"{'float32 256x1024 @ 1024x1024':<32} {'GFLOP/s':>8}  vs reference")
+    for label, gflops in rows:
+        print(f"{label:<32} {gflops:>8.1f}  x{gflops / rows[0][1]:.1f}")
 
 
 def decode_bytes(model_dir: Path) -> int:
@@ -272,11 +312,16 @@ def main() -> None:
     parser.add_argument(
         "--kernels-off", action="store_true", help="also run Shoal with SHOAL_KERNELS=0 (float32, as before)"
     )
+    parser.add_argument("--blas-only", action="store_true", help="only the float32 product figures")
     args = parser.parse_args()
 
+    print(f"load average at the start: {loadavg()} (other work on this machine skews every figure)")
+    print_products(args.threads)
+    if args.blas_only:
+        return
+    print()
     builtin = builtin_model()
     cores = usable_cores()
-    print(f"load average at the start: {loadavg()} (other work on this machine skews every figure)")
     before = memory_bandwidth(cores)
     print(f"memory bandwidth: {before:.1f} GB/s with {cores} threads ({memory_bandwidth(1):.1f} with 1)")
     results: list[ModelResult] = []

@@ -17,6 +17,7 @@ from api.backend import ModelCard
 from node.cluster import ClusterService
 from node.instances import InstanceManager
 from node.leader_control import instance_view
+from node.routing import GenerationServer
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
@@ -38,6 +39,9 @@ class NodeBackend:
         self._instances = instances
         self._remote = remote
         self._created = int(time.time())
+        self.serving: GenerationServer | None = None
+        """What this node runs for its peers (`serve_generations`), once registered: its counts
+        show in `/health`."""
 
     def cluster(self) -> ClusterView:
         return self._cluster.snapshot()
@@ -107,6 +111,7 @@ class NodeBackend:
             "runners": [runner.health() for runner in self._instances.runners()],
             "cluster": asdict(self._cluster.stats),
             "mesh": asdict(self._cluster.mesh.stats),
+            "generations_for_peers": asdict(self.serving.stats) if self.serving else {},
         }
 
 

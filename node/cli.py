@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from node.config import DEFAULT_MODEL, NodeConfig
+from node.config import add_run_flags, node_config
 from node.models import ModelResolveError, default_data_dir, ensure_builtin_model, list_local_models
 from node.net.config import add_mesh_arguments, mesh_config_from_args
 
@@ -22,60 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="start a node: load the model and serve the OpenAI-compatible API")
-    run.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"built-in name, folder, .gguf or HF repo id (default {DEFAULT_MODEL})",
-    )
-    run.add_argument("--no-model", action="store_true", help="serve no model")
-    run.add_argument(
-        "--api-host", default=NodeConfig.api_host, help="address the HTTP API binds (default %(default)s)"
-    )
-    run.add_argument(
-        "--api-port",
-        type=int,
-        default=NodeConfig.api_port,
-        help="HTTP API port, 0 = any free port (default %(default)s)",
-    )
-    run.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where models and state live (default $SHOAL_DATA_DIR or ~/.local/share/shoal)",
-    )
-    run.add_argument(
-        "--prefill-step-size",
-        type=int,
-        default=NodeConfig.prefill_step_size,
-        help="prompt tokens per prefill chunk (default %(default)s)",
-    )
-    run.add_argument(
-        "--max-concurrent",
-        type=int,
-        default=NodeConfig.max_concurrent,
-        help="requests to one model decoded together (default %(default)s)",
-    )
-    run.add_argument(
-        "--max-queued",
-        type=int,
-        default=NodeConfig.max_queued,
-        help="requests that may wait beyond --max-concurrent; more get HTTP 429 (default %(default)s)",
-    )
-    run.add_argument(
-        "--prefix-cache-tokens",
-        type=int,
-        default=NodeConfig.prefix_cache_tokens,
-        help="KV cache kept for later requests sharing a prefix, in tokens; 0 = off (default %(default)s)",
-    )
-    run.add_argument(
-        "--sse-keepalive",
-        type=float,
-        default=NodeConfig.keepalive_s,
-        help="seconds without events after which a stream gets a keep-alive comment (default %(default)s)",
-    )
-    run.add_argument(
-        "--no-fast-path", action="store_true", help="run models on plain MLX, not the BLAS fast path"
-    )
+    add_run_flags(run)
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_mesh_arguments(run)
 
@@ -108,34 +55,12 @@ def _run(args: argparse.Namespace) -> int:
     from node.serve import run_node  # keeps `shoal models` fast: no MLX/HTTP imports
 
     _setup_logging(args.verbose)
-    if args.api_port < 0 or args.api_port > 65535:
-        print(f"shoal: --api-port must be between 0 and 65535, got {args.api_port}", file=sys.stderr)
-        return 2
-    if not args.sse_keepalive > 0:
-        print(
-            f"shoal: --sse-keepalive must be a positive number of seconds, got {args.sse_keepalive}",
-            file=sys.stderr,
-        )
-        return 2
     data_dir = args.data_dir or default_data_dir()
     try:
-        mesh = mesh_config_from_args(args, data_dir)
+        config = node_config(args, data_dir=data_dir, mesh=mesh_config_from_args(args, data_dir))
     except (ValueError, OSError) as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
-    config = NodeConfig(
-        data_dir=data_dir,
-        mesh=mesh,
-        model=None if args.no_model else args.model,
-        api_host=args.api_host,
-        api_port=args.api_port,
-        prefill_step_size=args.prefill_step_size,
-        max_concurrent=args.max_concurrent,
-        max_queued=args.max_queued,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        keepalive_s=args.sse_keepalive,
-        fast_path=not args.no_fast_path,
-    )
     try:
         trio.run(run_node, config)
     except BaseExceptionGroup as group:  # errors from inside the node's nursery

@@ -324,7 +324,7 @@ class ClusterService:
                     host=profile.hostname,
                     role="leader" if node == leader else "follower",
                     status=status.value,
-                    backend=profile.backend,
+                    backend=profile.accelerator,
                     os=profile.os,
                     memory_total=profile.memory_total,
                     memory_available=profile.memory_available,

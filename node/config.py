@@ -1,11 +1,21 @@
-"""Every setting of a node in one place, each default with its reason."""
+"""Every setting of a node in one place: each default with its reason, and the `shoal run` flag
+that sets it (`RUN_FLAGS`: the flag's default is the setting's, never written twice).
+
+The runners' settings are `protocol.runner_wire.RunnerSettings`, because a runner receives them in
+its first frame; the mesh's are `node.net.config.MeshConfig`, which adds its own flags.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from node.net.config import MeshConfig
+from protocol.runner_wire import RunnerSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 """The built-in model: small enough for any laptop, real enough to answer questions."""
@@ -23,21 +33,112 @@ class NodeConfig:
     """All interfaces: any machine of the cluster's network may send requests to any node."""
     api_port: int = 52415
     """0 picks a free port (the log says which)."""
-    prefill_step_size: int = 512
-    """Tokens per prefill chunk: smaller means more progress events and cancel points, slightly slower."""
-    max_concurrent: int = 8
-    """Requests to one model decoded together. Batching reads the weights once per step for all of
-    them: aggregate tokens/s grow with it while each stream slows a little; 8 is past the knee on a
-    small CPU."""
-    max_queued: int = 32
-    """Requests that may wait for a place in the batch; past max_concurrent + max_queued in flight the
-    API answers 429 at once instead of letting a client wait for minutes."""
-    prefix_cache_tokens: int = 8192
-    """KV cache kept from finished requests so the next turn of a chat prefills only its new tokens;
-    0 = off. Memory: tokens x layers x 2 x kv_heads x head_dim x 4 bytes (float32), e.g. 8192 tokens
-    = 0.4 GB for SmolLM2-135M, 1.9 GB for Qwen3-0.6B."""
     keepalive_s: float = 10.0
     """An SSE comment goes out after this long without events, so proxies keep the stream open."""
-    fast_path: bool = True
-    """Runners use the BLAS fast path where it is available (Linux CPU); off = plain MLX, for
-    comparisons and as the escape hatch should the fast path misbehave on some machine."""
+    runner: RunnerSettings = field(default_factory=RunnerSettings)
+    """How every runner of this node runs its model (batch size, queue, prefix cache, fast path)."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `shoal run` flag: the setting it sets (`runner.NAME` for a runner's) and its help."""
+
+    name: str
+    setting: str
+    help: str
+    switch: bool = False
+    """A flag without a value that sets the setting to `value` (`--no-fast-path`)."""
+    value: object = None
+    check: tuple[Callable[[Any], bool], str] | None = None
+    """A test of the value, and what to tell a user whose value fails it."""
+    parse: Callable[[str], object] | None = None
+    """How to read the value; default: the type of the setting's default."""
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+_PORT = (lambda port: 0 <= port <= 65535, "must be between 0 and 65535")
+_POSITIVE_SECONDS = (lambda seconds: seconds > 0, "must be a positive number of seconds")
+
+RUN_FLAGS = (
+    Flag("--model", "model", "built-in name, folder, .gguf or HF repo id (default %(default)s)"),
+    Flag("--no-model", "model", "serve no model", switch=True, value=None),
+    Flag("--api-host", "api_host", "address the HTTP API binds (default %(default)s)"),
+    Flag("--api-port", "api_port", "HTTP API port, 0 = any free port (default %(default)s)", check=_PORT),
+    Flag(
+        "--data-dir",
+        "data_dir",
+        "where models and state live (default $SHOAL_DATA_DIR or ~/.local/share/shoal)",
+        parse=Path,
+    ),
+    Flag(
+        "--prefill-step-size",
+        "runner.prefill_step_size",
+        "prompt tokens per prefill chunk (default %(default)s)",
+    ),
+    Flag(
+        "--max-concurrent",
+        "runner.max_concurrent",
+        "requests to one model decoded together (default %(default)s)",
+    ),
+    Flag(
+        "--max-queued",
+        "runner.max_queued",
+        "requests that may wait beyond --max-concurrent; more get HTTP 429 (default %(default)s)",
+    ),
+    Flag(
+        "--prefix-cache-tokens",
+        "runner.prefix_cache_tokens",
+        "KV cache kept for later requests sharing a prefix, in tokens; 0 = off (default %(default)s)",
+    ),
+    Flag(
+        "--sse-keepalive",
+        "keepalive_s",
+        "seconds without events after which a stream gets a keep-alive comment (default %(default)s)",
+        check=_POSITIVE_SECONDS,
+    ),
+    Flag(
+        "--no-fast-path",
+        "runner.fast_path",
+        "run models on plain MLX, not the BLAS fast path",
+        switch=True,
+        value=False,
+    ),
+)
+"""In the order `shoal run --help` lists them."""
+
+
+def _default(setting: str) -> Any:
+    """The setting's default; None for one without (the data dir: `node.models.default_data_dir`)."""
+    owner, _, name = setting.rpartition(".")
+    kind: Any = RunnerSettings if owner == "runner" else NodeConfig
+    found = next(f for f in dataclasses.fields(kind) if f.name == name)
+    return None if found.default is dataclasses.MISSING else found.default
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    for flag in RUN_FLAGS:
+        if flag.switch:
+            parser.add_argument(flag.name, action="store_true", help=flag.help)
+        else:
+            default = _default(flag.setting)
+            parse = flag.parse or type(default)
+            parser.add_argument(flag.name, type=parse, default=default, help=flag.help)
+
+
+def node_config(args: argparse.Namespace, *, data_dir: Path, mesh: MeshConfig) -> NodeConfig:
+    """The config `RUN_FLAGS` give; ValueError with a message for the user for an unusable value."""
+    node: dict[str, Any] = {}
+    runner: dict[str, Any] = {}
+    for flag in RUN_FLAGS:
+        value = getattr(args, flag.dest)
+        if flag.switch and not value:
+            continue
+        if flag.check is not None and not flag.check[0](value):
+            raise ValueError(f"{flag.name} {flag.check[1]}, got {value}")
+        owner, _, name = flag.setting.rpartition(".")
+        (runner if owner == "runner" else node)[name] = flag.value if flag.switch else value
+    node.update(data_dir=data_dir, mesh=mesh)
+    return NodeConfig(**node, runner=RunnerSettings(**runner))

@@ -11,20 +11,18 @@ taken while it restarted) gets the runner restarted with the new route, with no 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import NoReturn, Protocol
+from typing import Protocol
 
 import trio
 
-from node.cpu.fastpath import runner_environment
+from node.children.supervisor import ChildFailed, Launch, keep_restarting, running
 from node.net.mesh import RequestError
-from node.pipeline.stage import spawn_stage, wait_ready
-from node.runner.supervisor import RunnerSpec, RunnerSupervisor
-from protocol.backoff import RESTART, Backoff
+from node.pipeline.stage import READY_MAX_BYTES, decode_ready, stage_command
+from node.runner.supervisor import RunnerSpec, RunnerSupervisor, child_environment
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
@@ -34,6 +32,7 @@ from protocol.control_wire import (
     decode_control,
     encode_control,
 )
+from protocol.framing import FrameError
 
 log = logging.getLogger("shoal.instances")
 
@@ -43,6 +42,8 @@ ADDRESS_POLL = 0.5
 """Seconds between questions while a stage is not ready yet."""
 ROUTE_CHECK_INTERVAL = 2.0
 """Seconds between the entry's checks that its route still holds: one small request per stage."""
+STAGE_STOP_GRACE = 5.0
+"""How long a stage process gets to exit after SIGTERM before SIGKILL."""
 
 
 class StageMesh(Protocol):
@@ -64,10 +65,8 @@ def _label(stage: StageAssignment) -> str:
 
 
 def stage_environment(spec: RunnerSpec) -> dict[str, str]:
-    """A stage process's environment: offline, unbuffered, and the runner's BLAS settings."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.update(runner_environment(env, enabled=spec.fast_path))
-    return env
+    """A stage process's environment: the runner's (offline, unbuffered, its BLAS settings)."""
+    return child_environment(spec)
 
 
 def answer_stage_address(
@@ -92,40 +91,34 @@ async def run_stage_process(
     env: Mapping[str, str],
     publish: Callable[[str | None], None],
     instance: str,
-) -> NoReturn:
-    """Keep this node's stage process running; `publish` gets its HOST:PORT, or None while down."""
-    backoff = Backoff(RESTART)
-    port = 0  # any free port at first; restarts ask for the same one
-    while True:
-        backoff.started(trio.current_time())
-        process = spawn_stage(
-            path,
-            start=stage.start_layer,
-            end=stage.end_layer,
-            host=host,
-            port=port,
-            env=env,
-            die_with_parent=True,
+) -> None:
+    """Keep this node's stage process running (until cancelled); `publish` gets its HOST:PORT, or
+    None while down. A restart asks for the same port; one that failed to start takes any."""
+    port = 0
+
+    async def run_once() -> None:
+        nonlocal port
+        command = stage_command(
+            path, start=stage.start_layer, end=stage.end_layer, host=host, port=port, parent_pid=os.getpid()
         )
+        launch = Launch(command, env, READY_MAX_BYTES, stop_grace_s=STAGE_STOP_GRACE)
         try:
-            await trio.to_thread.run_sync(
-                functools.partial(wait_ready, process, timeout=STAGE_READY_TIMEOUT),
-                abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing's stubs are older
-            )
-            port = process.address[1]
-            publish(f"{host}:{port}")
-            log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
-            await trio.to_thread.run_sync(process.process.wait, abandon_on_cancel=True)  # type: ignore[call-arg]
-            log.warning("instance %s: stage process exited (%s)", instance, process.process.returncode)
-        except RuntimeError as exc:
-            log.error("instance %s: %s failed: %s", instance, _label(stage), exc)
-            port = 0  # the port may have been taken meanwhile: take any, the entry follows
+            async with running(launch) as child:
+                try:
+                    port = decode_ready(bytes(await child.handshake(STAGE_READY_TIMEOUT))).port
+                except (ChildFailed, FrameError) as exc:
+                    log.error("instance %s: %s failed: %s", instance, _label(stage), exc)
+                    port = 0  # the port may have been taken meanwhile: take any, the entry follows
+                    return
+                publish(f"{host}:{port}")
+                log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
+                code = await child.wait()
+                log.warning("instance %s: stage process exited (%s)", instance, code)
         finally:
             publish(None)
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(process.stop)
             log.info("instance %s: %s stopped", instance, _label(stage))
-        await trio.sleep(backoff.failed(trio.current_time()))
+
+    await keep_restarting(run_once, lambda _result, _delay: True)
 
 
 class StageRoute:

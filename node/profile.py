@@ -1,4 +1,4 @@
-"""What this machine offers the cluster: host, OS, compute backend and memory, read at the edge."""
+"""What this machine offers the cluster: host, OS, accelerator and memory, read at the edge."""
 
 from __future__ import annotations
 
@@ -7,21 +7,22 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
-import psutil
+from node.cpu.memory import read_memory
 
-Backend = Literal["cpu", "metal", "cuda"]
+Accelerator = Literal["cpu", "metal", "cuda"]
+"""The device MLX runs models on (not `api.backend.Backend`, the API's view of the node)."""
 
 
 @dataclass(frozen=True)
 class MachineProfile:
     hostname: str
     os: str
-    backend: Backend
+    accelerator: Accelerator
     memory_total: int
     memory_available: int
 
 
-def compute_backend() -> Backend:
+def detect_accelerator() -> Accelerator:
     """The device MLX will run models on here."""
     import mlx.core as mx
 
@@ -33,13 +34,16 @@ def compute_backend() -> Backend:
     return "cpu"
 
 
-def read_profile(backend: Backend) -> MachineProfile:
-    """Current figures; memory_available changes as models load, so this is re-read periodically."""
-    memory = psutil.virtual_memory()
+def read_profile(accelerator: Accelerator) -> MachineProfile:
+    """Current figures; memory_available changes as models load, so this is re-read periodically.
+
+    Memory is `node.cpu.memory`'s probe (a cgroup limit caps both figures), the one the runner's
+    weight policy reads: placement counts what the runner will have."""
+    memory = read_memory()
     return MachineProfile(
         hostname=socket.gethostname(),
         os=f"{platform.system()} {platform.release()}",
-        backend=backend,
+        accelerator=accelerator,
         memory_total=memory.total,
         memory_available=memory.available,
     )

@@ -362,9 +362,6 @@ class RemoteGenerations:
             return False
         return True
 
-    def has_request(self, request_id: RequestId) -> bool:
-        return request_id in self._in_flight
-
 
 __all__ = [
     "UNAVAILABLE",

@@ -20,11 +20,11 @@ from node.instances import InstanceManager, InstanceOptions
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
 from node.native import load_kernels
 from node.net.mesh import Mesh
-from node.profile import compute_backend, read_profile
+from node.profile import detect_accelerator, read_profile
 from node.routing import RemoteGenerations, serve_generations
-from node.runner.supervisor import RunnerSpec
 from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile
 from protocol.ids import ModelId
+from protocol.runner_wire import RunnerSpec
 
 log = logging.getLogger("shoal")
 
@@ -64,15 +64,15 @@ async def run_node(config: NodeConfig) -> None:
     log.info("node id %s (cluster %r)", mesh.peer_id, config.mesh.cluster)
     api_url = ""
     started_at = time.time()
-    backend_kind = compute_backend()
+    accelerator = detect_accelerator()
     version = importlib.metadata.version("shoal")
 
     def profile() -> NodeProfile:
-        machine = read_profile(backend_kind)
+        machine = read_profile(accelerator)
         return NodeProfile(
             hostname=machine.hostname[:MAX_TEXT_CHARS],
             os=machine.os[:MAX_TEXT_CHARS],
-            backend=machine.backend,
+            accelerator=machine.accelerator,
             memory_total=machine.memory_total,
             memory_available=machine.memory_available // MEMORY_ROUNDING * MEMORY_ROUNDING,
             api_url=api_url,
@@ -82,27 +82,18 @@ async def run_node(config: NodeConfig) -> None:
         )
 
     def runner_spec(model_id: ModelId, model_path: Path) -> RunnerSpec:
-        return RunnerSpec(
-            model_id=model_id,
-            model_path=model_path,
-            vocab_dir=vocab_dir,
-            prefill_step_size=config.prefill_step_size,
-            max_concurrent=config.max_concurrent,
-            max_queued=config.max_queued,
-            prefix_cache_tokens=config.prefix_cache_tokens,
-            fast_path=config.fast_path,
-        )
+        return RunnerSpec.of(config.runner, model_id, model_path, vocab_dir=vocab_dir)
 
     cluster = ClusterService(mesh, profile, ClusterConfig(cluster=config.mesh.cluster))
     options = InstanceOptions(
         data_dir=config.data_dir,
-        runtime_dtype_bytes=4 if backend_kind == "cpu" else None,
-        kernels=backend_kind == "cpu" and config.fast_path and load_kernels().module is not None,
+        runtime_dtype_bytes=4 if accelerator == "cpu" else None,
+        kernels=accelerator == "cpu" and config.runner.fast_path and load_kernels().module is not None,
         runner_spec=runner_spec,
     )
     instances = InstanceManager(cluster, mesh, options)
     backend = NodeBackend(cluster, instances, RemoteGenerations(mesh))
-    serve_generations(mesh, backend.open_local_stream, backend.cancel_local)
+    backend.serving = serve_generations(mesh, backend.open_local_stream, backend.cancel_local)
     app = create_app(backend, keepalive_s=config.keepalive_s)
 
     async with trio.open_nursery() as nursery:

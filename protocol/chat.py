@@ -40,13 +40,26 @@ class ToolSpec(BaseModel):
 
 
 class SamplingParams(BaseModel):
+    """How a request's tokens are picked and when it ends; the one type every path samples from.
+
+    A runner samples with it in one process and the last pipeline stage in an N-stage instance
+    (which gets `temperature`, `top_p` and `seed` in the first frame), both through
+    `node.pipeline.shard.request_sampler`, so a seeded request gets the same tokens on either.
+    """
+
     model_config = ConfigDict(frozen=True)
     temperature: float = 1.0
+    """0: greedy (argmax)."""
     top_p: float = 1.0
     seed: int | None = None
+    """Set: the request draws from its own PRNG key, so its tokens depend only on seed and model."""
     max_tokens: int | None = None
     """None: up to the end of the model's context."""
     stop: tuple[str, ...] = ()
+
+
+GREEDY = SamplingParams(temperature=0.0)
+"""Argmax decoding: what the pipeline driver does when it is given no sampling parameters."""
 
 
 class GenerateRequest(BaseModel):

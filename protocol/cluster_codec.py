@@ -100,7 +100,7 @@ def _value_to_wire(value: RecordValue | None) -> Any:
             return [
                 v.hostname,
                 v.os,
-                v.backend,
+                v.accelerator,
                 v.memory_total,
                 v.memory_available,
                 v.api_url,
@@ -270,7 +270,7 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
         return NodeProfile(
             _str(f[0], "hostname"),
             _str(f[1], "os"),
-            _str(f[2], "backend"),
+            _str(f[2], "accelerator"),
             _int(f[3], "memory_total"),
             _int(f[4], "memory_available"),
             _str(f[5], "api_url"),

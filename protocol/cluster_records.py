@@ -22,7 +22,7 @@ from protocol.ids import InstanceId, ModelId, NodeId
 MAX_ID_CHARS = 128
 """Node ids (a peer id is ~52 chars), instance ids."""
 MAX_TEXT_CHARS = 256
-"""Hostname, os, backend, software version, model id."""
+"""Hostname, os, accelerator, software version, model id."""
 MAX_URL_CHARS = 512
 """The API URL and each multiaddr."""
 MAX_MULTIADDRS = 16
@@ -91,8 +91,8 @@ class NodeProfile:
 
     hostname: str
     os: str
-    backend: str
-    """Where the model runs: "cpu", "metal", "cuda"."""
+    accelerator: str
+    """Where the model runs: "cpu", "metal", "cuda" (`backend` in `/v1/cluster`)."""
     memory_total: int
     """Bytes."""
     memory_available: int
@@ -107,7 +107,7 @@ class NodeProfile:
     def __post_init__(self) -> None:
         _check_text("hostname", self.hostname, MAX_TEXT_CHARS)
         _check_text("os", self.os, MAX_TEXT_CHARS)
-        _check_text("backend", self.backend, MAX_TEXT_CHARS)
+        _check_text("accelerator", self.accelerator, MAX_TEXT_CHARS)
         _check_int("memory_total", self.memory_total)
         _check_int("memory_available", self.memory_available)
         _check_text("api_url", self.api_url, MAX_URL_CHARS)

@@ -67,7 +67,7 @@ def _profile(index: int) -> NodeProfile:
     return NodeProfile(
         hostname=f"host-{index}",
         os="linux",
-        backend="cpu",
+        accelerator="cpu",
         memory_total=16 << 30,
         memory_available=8 << 30,
         api_url=f"http://10.0.{index // 250}.{index % 250}:8000",

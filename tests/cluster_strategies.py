@@ -30,7 +30,7 @@ profiles = st.builds(
     NodeProfile,
     hostname=st.sampled_from(["a", "b"]),
     os=st.just("linux"),
-    backend=st.sampled_from(["cpu", "cuda"]),
+    accelerator=st.sampled_from(["cpu", "cuda"]),
     memory_total=st.just(1 << 34),
     memory_available=st.sampled_from([1 << 30, 1 << 31]),
     api_url=st.just("http://10.0.0.1:8000"),

@@ -1,7 +1,7 @@
 """Real meshes on 127.0.0.1 for tests: a config without mDNS, a started mesh, waits on events.
 
-Peers find each other through bootstrap addresses. Every wait is on an event or a bounded poll of a
-counter; callers bound it with `trio.fail_after`.
+Peers find each other through bootstrap addresses. Every wait is on an event (callers bound it with
+`trio.fail_after`) or, for a counter without one, `tests.waiting.wait_until_async`.
 """
 
 from __future__ import annotations
@@ -46,22 +46,16 @@ async def wait_connected(mesh: Mesh, *peers: Mesh) -> None:
         await mesh.events.receive()
 
 
-async def poll(predicate: Callable[[], bool]) -> None:
-    """For counters that have no event: check every 10 ms (callers bound it with fail_after)."""
-    while not predicate():
-        await trio.sleep(0.01)
-
-
 async def gossip_until_received(
     sender: Mesh, receivers: list[Mesh], tag: bytes, others: list[Gossip] | None = None
-) -> dict[str, float]:
-    """Publish `tag`+seq every 100 ms until each receiver got one; returns latency per receiver.
+) -> None:
+    """Publish `tag`+seq every 100 ms (at most 100 times) until each receiver got one.
 
     Gossip is best effort by design (GossipSub drops while a mesh forms), hence the re-publish.
     Other messages received meanwhile are appended to `others`.
     """
-    got: dict[str, float] = {}
-    sent_at: dict[bytes, float] = {}
+    got: set[str] = set()
+    everyone = trio.Event()
 
     async def receive(mesh: Mesh) -> None:
         while True:
@@ -70,21 +64,22 @@ async def gossip_until_received(
                 others.append(msg)
             if msg.data.startswith(tag):
                 assert msg.peer_id == sender.peer_id
-                got[mesh.peer_id] = trio.current_time() - sent_at[msg.data]
+                got.add(mesh.peer_id)
+                if len(got) == len(receivers):
+                    everyone.set()
                 return
 
     async with trio.open_nursery() as nursery:
         for mesh in receivers:
             nursery.start_soon(receive, mesh)
         for seq in range(100):
-            if len(got) == len(receivers):
+            if everyone.is_set():
                 break
-            data = tag + b"#%d" % seq
-            sent_at[data] = trio.current_time()
-            await sender.publish(data)
+            await sender.publish(tag + b"#%d" % seq)
             with trio.move_on_after(0.1):
-                await poll(lambda: len(got) == len(receivers))
-    return got
+                await everyone.wait()
+        if not everyone.is_set():
+            raise AssertionError(f"{tag!r} reached {len(got)} of {len(receivers)} receivers in 100 publishes")
 
 
 async def echo(peer_id: str, payload: bytes) -> bytes:

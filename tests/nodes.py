@@ -11,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.waiting import wait_until as wait_until  # re-exported: tests/test_pipeline.py imports it here
 
 _LISTENING = re.compile(r"API listening on (http://\S+)")
 _P2P = re.compile(r"p2p listening on (/ip4/\S+)")
@@ -155,20 +156,6 @@ def start_node(
         node.stop()
         raise
     return node
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> float:
-    """Poll `check` (every 50 ms, at most `timeout` s) until it is truthy; returns the seconds it took."""
-    start = time.monotonic()
-    last: Any = None
-    while (elapsed := time.monotonic() - start) < timeout:
-        try:
-            if last := check():
-                return elapsed
-        except Exception as exc:  # a node may be restarting: keep polling until the deadline
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"not {what} within {timeout}s (last: {last!r})")
 
 
 def statuses(node: RunningNode) -> dict[str, str]:

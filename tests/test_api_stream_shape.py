@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.nodes import RunningNode, start_node
+from tests.waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 QUESTION: list[ChatCompletionMessageParam] = [
@@ -153,13 +153,8 @@ def _active_requests(node: RunningNode) -> int:
     return sum(runner["active_requests"] for runner in node.health()["runners"])
 
 
-def _wait_idle(node: RunningNode, timeout: float = 10) -> float:
-    """Seconds until the node has no request in flight."""
-    start = time.monotonic()
-    while _active_requests(node) and time.monotonic() - start < timeout:
-        time.sleep(0.02)
-    assert _active_requests(node) == 0, node.health()
-    return time.monotonic() - start
+def _wait_idle(node: RunningNode, what: str) -> None:
+    wait_until(lambda: _active_requests(node) == 0, 10, what)
 
 
 def test_abandoned_stream_ends_its_generation(random_node: RunningNode, model: str) -> None:
@@ -171,9 +166,9 @@ def test_abandoned_stream_ends_its_generation(random_node: RunningNode, model: s
         for _ in range(20):
             next(content)
         assert _active_requests(random_node) == 1
-    # Leaving the block mid-stream drops the connection: the runner must stop (and say it was
-    # cancelled, rather than finishing the remaining tokens) within 2 s.
-    assert _wait_idle(random_node) < 2.0
+    # Leaving the block mid-stream drops the connection: the runner stops the generation and says it
+    # was cancelled (rather than finishing the remaining ~1,480 tokens).
+    _wait_idle(random_node, "the abandoned generation ended")
     assert random_node.health()["runners"][0]["cancelled"] == cancelled + 1
 
 
@@ -192,14 +187,15 @@ def test_cancel_endpoint_ends_the_stream(random_node: RunningNode, model: str) -
     assert rest[-1] == "data: [DONE]"
     finish = json.loads(rest[-2][6:])["choices"][0]
     assert finish["finish_reason"] == "stop"
-    _wait_idle(random_node)
+    _wait_idle(random_node, "the cancelled generation ended")
 
 
 def test_plain_mlx_node_keeps_a_quiet_stream_alive(
     random_model_dir: Path, model: str, tmp_path: Path
 ) -> None:
     """`--no-fast-path` runs plain MLX (tests/test_fastpath.py shows it answers the same);
-    `--sse-keepalive` fills the quiet while a long prompt is read with comments that SDKs ignore."""
+    `--sse-keepalive` fills the quiet while a long prompt is read with comments that SDKs ignore
+    (how many, on trio's mock clock: tests/test_api_keepalive.py)."""
     flags = ("--no-fast-path", "--sse-keepalive", "0.01", "--prefill-step-size", "4096")
     long_prompt = [{"role": "user", "content": "lighthouse " * 1500}]
     body = _body(model, messages=long_prompt, stream_options={"include_usage": True})
@@ -210,8 +206,6 @@ def test_plain_mlx_node_keeps_a_quiet_stream_alive(
     finally:
         node.stop()
     # The role chunk goes out first; reading 1,500 tokens in one chunk is quiet for far over 10 ms.
-    print("keep-alives:", lines.count(": keep-alive"))
     data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
     assert any(line == ": keep-alive" for line in lines[data[0] : data[1]]), lines[:12]
-    assert lines.count(": keep-alive") < 3000  # one per quiet 0.01 s, not a flood
     assert lines[-1] == "data: [DONE]" and len(_chunks(lines)) >= 12

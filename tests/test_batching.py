@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.nodes import RunningNode, start_node, wait_until
+from tests.nodes import RunningNode, start_node
+from tests.waiting import wait_until
 
 PROMPTS = [
     "Tell me a story about a lighthouse keeper.",
@@ -113,14 +114,24 @@ def test_concurrent_streams_get_the_tokens_they_get_alone(node: RunningNode) -> 
     assert max(s.times[0] for s in together) < min(s.times[-1] for s in together)
 
 
+def _cancelled(node: RunningNode) -> int:
+    return int(node.health()["runners"][0]["cancelled"])
+
+
+def _idle(node: RunningNode) -> bool:
+    return bool(node.health()["runners"][0]["active_requests"] == 0)
+
+
 def test_cancelling_one_stream_leaves_the_others_intact(node: RunningNode) -> None:
     alone = [_stream(node, prompt) for prompt in PROMPTS]
+    cancelled = _cancelled(node)
     together = _concurrently(node, stop_after={1: 5})
     assert together[1].pieces == alone[1].pieces[:5]
     for i in (0, 2, 3):
         assert together[i].pieces == alone[i].pieces, f"stream {i} changed when stream 1 was cancelled"
         assert together[i].finish == "length"
-    wait_until(lambda: node.health()["runners"][0]["active_requests"] == 0, 2.0, "idle after the cancel")
+    wait_until(lambda: _idle(node), 10, "idle after the cancel")
+    assert _cancelled(node) == cancelled + 1  # the hang-up cancelled it, rather than it finishing
 
 
 def test_a_seeded_sample_does_not_depend_on_its_batch(node: RunningNode) -> None:
@@ -156,6 +167,7 @@ def small_node(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def test_past_the_queue_limit_the_api_answers_429(small_node: RunningNode) -> None:
     url = f"{small_node.base_url}/v1/chat/completions"
+    cancelled = _cancelled(small_node)
     with ExitStack() as streams:
         for prompt in PROMPTS[:2]:  # long generations: one running, one queued behind it
             r = streams.enter_context(
@@ -170,8 +182,7 @@ def test_past_the_queue_limit_the_api_answers_429(small_node: RunningNode) -> No
             error = refused.json()["error"]
             assert error["type"] == "rate_limit_error" and error["code"] == "too_many_requests"
             assert error["param"] is None and "busy" in error["message"]
-    wait_until(
-        lambda: small_node.health()["runners"][0]["active_requests"] == 0, 2.0, "idle after hanging up"
-    )
+    wait_until(lambda: _idle(small_node), 10, "idle after hanging up")
+    assert _cancelled(small_node) == cancelled + 2  # the running one and the queued one
     after = httpx.post(url, json={**_body(small_node, PROMPTS[2], max_tokens=4), "stream": False}, timeout=60)
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4

@@ -17,7 +17,8 @@ import pytest
 import trio
 
 from node.net import Mesh, MeshConfig, RequestError
-from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_until
+from tests.nodes import RunningNode, agreed_leader, start_node, statuses
+from tests.waiting import wait_until
 
 SECRET = {"SHOAL_CLUSTER_SECRET": "correct horse battery staple"}
 
@@ -40,7 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNo
 def test_three_nodes_agree_on_members_and_leader(cluster: list[RunningNode]) -> None:
     # The rule: the smallest live id leads (once past its start-up grace).
     leader = min(n.node_id for n in cluster)
-    elapsed = wait_until(lambda: agreed_leader(cluster) == leader, 15, "agreed on the smallest id as leader")
+    wait_until(lambda: agreed_leader(cluster) == leader, 15, "agreed on the smallest id as leader")
     for node in cluster:
         view = node.cluster()
         assert view["self"] == node.node_id
@@ -48,7 +49,6 @@ def test_three_nodes_agree_on_members_and_leader(cluster: list[RunningNode]) -> 
         assert member["multiaddrs"] == [node.p2p_addr] and member["api_url"] == node.base_url
         roles = {m["id"]: m["role"] for m in view["members"]}
         assert [i for i, r in roles.items() if r == "leader"] == [leader]
-    print(f"3 nodes agreed {elapsed:.2f}s after the last one started")
 
 
 def test_status_cli_shows_the_cluster(cluster: list[RunningNode]) -> None:
@@ -137,10 +137,9 @@ def test_stopped_node_is_marked_dead_then_alive_again(cluster: list[RunningNode]
     leader = agreed_leader(cluster)
     follower = next(n for n in cluster if n.node_id != leader)
     watcher = next(n for n in cluster if n is not follower)
-    follower.process.send_signal(signal.SIGSTOP)
+    follower.process.send_signal(signal.SIGSTOP)  # when, on the mock clock: test_cluster_service.py
     try:
-        took = wait_until(lambda: statuses(watcher)[follower.node_id] == "dead", 10, "marked dead")
-        print(f"SIGSTOPped node marked dead after {took:.2f}s")
+        wait_until(lambda: statuses(watcher)[follower.node_id] == "dead", 10, "marked dead")
     finally:
         follower.process.send_signal(signal.SIGCONT)
     wait_until(lambda: statuses(watcher)[follower.node_id] == "alive", 15, "alive again after SIGCONT")
@@ -155,7 +154,6 @@ def test_killed_leader_is_replaced(cluster: list[RunningNode]) -> None:
     survivors = [n for n in cluster if n is not leader]
     term = survivors[0].cluster()["term"]
     leader.process.kill()
-    killed = time.monotonic()
 
     def new_leader() -> bool:
         views = [s.cluster() for s in survivors]
@@ -167,8 +165,7 @@ def test_killed_leader_is_replaced(cluster: list[RunningNode]) -> None:
             and len({v["leader"] for v in views}) == 1
         )
 
+    # How soon (the closed connection is the fast signal): tests/test_cluster_service.py on trio's
+    # mock clock, and bench/mesh.py's "dead noticed s" / "new leader s" on real processes.
     wait_until(new_leader, 10, "a new agreed leader")
-    took = time.monotonic() - killed
     assert survivors[0].cluster()["leader"] == min(s.node_id for s in survivors)
-    print(f"new leader agreed {took:.2f}s after kill -9 of the old one")
-    assert took < 4  # ~2 s: the closed connection is noticed at once (see protocol.membership)

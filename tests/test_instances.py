@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from node.net.identity import load_or_create_identity, peer_id_of
-from tests.nodes import RunningNode, agreed_leader, start_node, statuses, wait_until
+from tests.nodes import RunningNode, agreed_leader, start_node, statuses
+from tests.waiting import wait_until
 
 
 def _instances(node: RunningNode) -> list[dict[str, Any]]:

@@ -10,7 +10,8 @@ import trio
 
 from node.net import RequestError
 from node.net.channel import Channel, ChannelClosed, ChannelError, ChannelTimeout
-from tests.meshes import config, echo, poll, run, running, wait_connected
+from tests.meshes import config, echo, run, running, wait_connected
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -62,7 +63,7 @@ def test_channels_and_named_requests(tmp_path: Path) -> None:
                         assert await channel.receive(idle_timeout_s=5) == b"echo:after a timeout"
                         with pytest.raises(ValueError):
                             await channel.send(b"x" * (channel.max_frame_bytes + 1))
-                    await poll(lambda: served[-1:] == ["closed"])
+                    await wait_until_async(lambda: served[-1:] == ["closed"], 10, "the handler saw the close")
                     assert served == [b.peer_id, "closed"]
 
                     # The handler raises: the channel is reset (py-libp2p reads a reset as an end).

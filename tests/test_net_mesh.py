@@ -1,8 +1,8 @@
 """Real meshes on 127.0.0.1 in one trio process: admission, gossip, requests, restarts, bad frames.
 
 No mDNS here (tests/test_net_mdns.py does that in network namespaces); channels are
-tests/test_net_channels.py, the framer tests/test_framing.py. Every wait is on an event or a bounded
-poll of a counter, inside `trio.fail_after`.
+tests/test_net_channels.py, the framer tests/test_framing.py. Every wait is on an event, inside
+`trio.fail_after`, or a bounded poll of a counter (`tests.waiting.wait_until_async`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from node.net.config import mesh_config_from_args
 from node.net.identity import load_or_create_identity, peer_id_of
 from node.net.peers import Opened, PeerBook
 from protocol.framing import encode
-from tests.meshes import config, echo, gossip_until_received, poll, run, running, wait_connected
+from tests.meshes import config, echo, gossip_until_received, run, running, wait_connected
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -150,8 +151,10 @@ def test_wrong_secret_is_refused(tmp_path: Path) -> None:
             a.set_request_handler(echo)
             with trio.fail_after(10):
                 await wait_connected(a, b)
-                await poll(lambda: a.stats.auth_failed >= 1 and b.stats.auth_failed >= 1)
-                await poll(lambda: x.stats.auth_failed >= 2)
+            await wait_until_async(
+                lambda: a.stats.auth_failed >= 1 and b.stats.auth_failed >= 1, 10, "x refused by a and b"
+            )
+            await wait_until_async(lambda: x.stats.auth_failed >= 2, 10, "a and b refused by x")
             for _ in range(5):
                 await x.publish(b"from-x")
             seen: list[Gossip] = []
@@ -211,10 +214,9 @@ def test_restarted_peer_is_reconnected_promptly(tmp_path: Path, same_port: bool)
                 with trio.fail_after(10):
                     await wait_connected(a, b)
                 a.add_peer(b.addrs()[0])  # a keeps dialing b's (old) address
-            with trio.fail_after(10):
-                await poll(lambda: b_id not in a.connected_peers())
-                failures = a.stats.dial_failures
-                await poll(lambda: a.stats.dial_failures > failures)
+            await wait_until_async(lambda: b_id not in a.connected_peers(), 10, "b gone from a's peers")
+            failures = a.stats.dial_failures
+            await wait_until_async(lambda: a.stats.dial_failures > failures, 10, "a redial of b failing")
             # Same port: only a can reconnect (b has no bootstrap peer). New port: b dials a.
             restart = (
                 config(tmp_path, "b", p2p_port=b_port)

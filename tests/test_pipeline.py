@@ -23,12 +23,12 @@ import mlx.core as mx
 import psutil
 import pytest
 from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_sampler
 
 from node.pipeline.driver import PipelineGenerator
 from node.pipeline.hop import HopError
-from node.pipeline.shard import SamplingParams, even_split, load_shard
+from node.pipeline.shard import even_split, load_shard, request_sampler
 from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
+from protocol.chat import GREEDY, SamplingParams
 from tests.model_factory import make_random_model
 from tests.nodes import wait_until
 
@@ -62,13 +62,10 @@ def single_process(
     *,
     max_tokens: int,
     prefill_step_size: int = 2048,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Tokens and progress reports of `stream_generate` on the whole model, as the engine runs it."""
     model, tokenizer = _single(model_dir)
-    sampling = sampling or SamplingParams()
-    if sampling.seed is not None:
-        mx.random.seed(sampling.seed)
     progress: list[tuple[int, int]] = []
     tokens = [
         response.token
@@ -77,7 +74,7 @@ def single_process(
             tokenizer,
             mx.array(prompt),
             max_tokens=max_tokens,
-            sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p),
+            sampler=request_sampler(sampling),
             prefill_step_size=prefill_step_size,
             prompt_progress_callback=lambda done, total: progress.append((done, total)),
         )
@@ -212,7 +209,7 @@ def test_qwen3_layers_split_like_one_process(builtin_model_dir: Path, tmp_path: 
     expected, _ = single_process(model_dir, prompt, max_tokens=10)
     shards = [load_shard(model_dir, start=a, end=b) for a, b in even_split(3, 3)]
     caches = [shard.make_cache() for shard in shards]
-    sampler = SamplingParams().start()
+    sampler = request_sampler(GREEDY)
 
     def step(tokens: list[int]) -> int:
         h = mx.array(tokens)[None]

@@ -114,3 +114,25 @@ def test_a_tensor_crosses_a_link_whole() -> None:
     finally:
         out.close()
         link.close()
+
+
+def test_silence_fails_a_link_and_heartbeats_keep_a_quiet_one_open() -> None:
+    """A neighbour that sends nothing for the link's timeout is frozen or cut off (the error the
+    request then reports); one whose OutLink only heartbeats is alive, however long it is quiet.
+    (The 3 s default in a real pipeline: tests/test_pipeline_instances.py freezes a node.)"""
+    quiet, quiet_peer = socket.socketpair()
+    silent, silent_peer = socket.socketpair()
+    out = OutLink(quiet, name="next", heartbeat_interval=0.02)
+    alive = InLink(quiet_peer, name="quiet stage", timeout=0.5)
+    frozen = InLink(silent_peer, name="frozen stage", timeout=0.5)
+    try:
+        with pytest.raises(HopError, match=r"nothing from frozen stage for 0\.5s: frozen or cut off"):
+            frozen.recv(timeout=10)  # the bound on the test, not the claim
+        assert alive.recv(timeout=1.0) is None  # twice the timeout of heartbeats only: no error
+        out.send(Frame(Kind.RESET, 7))
+        assert alive.recv(timeout=5) == Frame(Kind.RESET, 7)
+    finally:
+        out.close()
+        for link in (alive, frozen):
+            link.close()
+        silent.close()

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import socket
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,10 @@ import psutil
 import pytest
 
 from tests.model_factory import make_random_model
-from tests.nodes import RunningNode, agreed_leader, start_node, wait_until
+from tests.nodes import RunningNode, agreed_leader, start_node
 from tests.test_api_stream_shape import PREFILL
 from tests.test_instances import _instances, _tokens
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -54,8 +54,11 @@ def _freeze(node: RunningNode) -> None:
     node.process.send_signal(signal.SIGSTOP)
 
 
-def _stream_until_failure(node: RunningNode, model: str, fail: Callable[[], None]) -> tuple[list[str], float]:
-    """Stream a long generation, call `fail` after 3 chunks; the lines after and seconds to [DONE]."""
+def _stream_until_failure(node: RunningNode, model: str, fail: Callable[[], None]) -> list[str]:
+    """Stream a long generation, call `fail` after 3 chunks; the lines after, up to [DONE].
+
+    The read timeout (30 s) only keeps a hang from lasting: the hop timeout (3 s) ends the request
+    much sooner; how soon is bench/pipeline.py's "failure -> error" figure."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Count to a thousand."}],
@@ -63,7 +66,7 @@ def _stream_until_failure(node: RunningNode, model: str, fail: Callable[[], None
         "max_tokens": 1500,
         "stream": True,
     }
-    failed_at: float | None = None
+    failed = False
     after: list[str] = []
     seen = 0
     with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=30) as response:
@@ -71,24 +74,26 @@ def _stream_until_failure(node: RunningNode, model: str, fail: Callable[[], None
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
-            if failed_at is None:
+            if not failed:
                 seen += 1
                 assert line != "data: [DONE]", "the generation ended before the failure"
                 if seen == 3:
                     fail()
-                    failed_at = time.monotonic()
+                    failed = True
                 continue
             after.append(line)
             if line == "data: [DONE]":
-                return after, time.monotonic() - failed_at
+                return after
     raise AssertionError(f"the stream ended without [DONE]: {after[-3:]}")
 
 
-def _assert_error_then_done(after: list[str], seconds: float, what: str) -> None:
-    print(f"{what} -> [DONE] in {seconds:.2f}s")
-    assert seconds < 5.0, seconds
+def _assert_error_then_done(after: list[str]) -> None:
+    """The broken pipeline was noticed and reported: a server error event, then [DONE]. (Which
+    signal comes first varies: the entry's hop timeout, "the pipeline failed: ...", or, for a
+    frozen or dead node, the leader re-placing the instance, "... stopped or re-placed ...".)"""
     errors = [json.loads(line[6:]) for line in after if line != "data: [DONE]" and "error" in line]
-    assert errors and "error" in errors[-1], after[-3:]
+    assert errors and errors[-1]["error"]["type"] == "server_error", after[-3:]
+    assert after[-1] == "data: [DONE]"
 
 
 def _wait_replaced_without(survivors: list[RunningNode], gone: RunningNode) -> list[dict[str, Any]]:
@@ -128,9 +133,8 @@ def test_two_stage_instance_serves_like_one_node_and_survives_a_frozen_stage(
     assert _tokens(outsider, name) == reference
     assert _tokens(second, name) == reference
 
-    # Freeze the second stage's machine mid-stream: an error event, then [DONE], within 5 s.
-    after, seconds = _stream_until_failure(outsider, name, lambda: _freeze(second))
-    _assert_error_then_done(after, seconds, "freeze")
+    # Freeze the second stage's machine mid-stream: an error event, then [DONE].
+    _assert_error_then_done(_stream_until_failure(outsider, name, lambda: _freeze(second)))
     _wait_replaced_without([entry, outsider], second)
     wait_until(lambda: _tokens(outsider, name) == reference, 90, "the re-placed instance serving")
     second.process.kill()
@@ -196,8 +200,7 @@ def test_three_stages_match_one_node_and_survive_stage_failures(
     # reconnects on the next request, and the instance stays where it is.
     listens = rf"stage \[{stages[1]['start_layer']}, {stages[1]['end_layer']}\) listens on (\S+)"
     (victim,) = _stage_processes(middle)
-    after, seconds = _stream_until_failure(entry, name, victim.kill)
-    _assert_error_then_done(after, seconds, "stage kill")
+    _assert_error_then_done(_stream_until_failure(entry, name, victim.kill))
     wait_until(lambda: len(re.findall(listens, "".join(middle.log))) == 2, 60, "the stage restarted")
     assert len(set(re.findall(listens, "".join(middle.log)))) == 1, "the stage moved to another port"
     assert _tokens(trio_nodes[0], name) == split
@@ -217,8 +220,9 @@ def test_three_stages_match_one_node_and_survive_stage_failures(
         wait_until(lambda: _tokens(trio_nodes[0], name) == split, 60, "served through the moved stage")
 
     # kill -9 the middle node: the error, then the leader re-places the instance on the survivors.
-    after, seconds = _stream_until_failure(last, name, lambda: middle.process.send_signal(signal.SIGKILL))
-    _assert_error_then_done(after, seconds, "middle node kill")
+    _assert_error_then_done(
+        _stream_until_failure(last, name, lambda: middle.process.send_signal(signal.SIGKILL))
+    )
     replaced = _wait_replaced_without([entry, last], middle)
     wait_until(lambda: _tokens(last, name) == split, 90, "the re-placed instance answering the same")
     assert len(replaced) == 1, replaced  # as few nodes as fit: the same tokens as from one node

@@ -143,8 +143,9 @@ def test_ctrl_c_stops_node_quickly(random_model_dir: Path, tmp_path: Path) -> No
 def test_a_runner_whose_node_was_killed_mid_stream_exits_quietly(
     random_model_dir: Path, tmp_path: Path
 ) -> None:
-    """kill -9 of the node while its runner streams: the runner notices (its pipes close) and exits
-    at once, with one log line rather than a traceback, instead of computing for nobody."""
+    """kill -9 of the node while its runner streams: the runner ends at once (on Linux the kernel
+    kills it, `node.children`; elsewhere it notices its pipes close and exits with one log line),
+    without a traceback, instead of computing for nobody."""
     other = start_node(data_dir=tmp_path, model=str(random_model_dir))
     runner = psutil.Process(other.runner_pid())
     body = _body(other, max_tokens=1500, stream=True)

@@ -24,7 +24,6 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
@@ -40,6 +39,7 @@ from node.cpu.kernel_layers import (
     kernel_layer,
 )
 from node.cpu.layer_eval import evaluate_layers_in_prefill
+from node.cpu.memory import available_memory_bytes
 from node.native import KernelLoad, load_kernels
 
 log = logging.getLogger("shoal.runner")
@@ -52,9 +52,6 @@ HEADROOM_MIN_BYTES = 512 * 1024**2
 
 KERNEL_LAYERS = (KernelQuantizedLinear, KernelHalfLinear, KernelQuantizedEmbedding, KernelHalfEmbedding)
 
-_MEMINFO = Path("/proc/meminfo")
-_CGROUP_MEMORY = Path("/sys/fs/cgroup")
-
 
 @dataclass(frozen=True)
 class DtypeDecision:
@@ -65,31 +62,6 @@ class DtypeDecision:
     """The log line."""
     kernels: bool = False
     """Whether the big weights stay as stored on Shoal's CPU kernels."""
-
-
-def available_memory_bytes(meminfo: Path = _MEMINFO, cgroup: Path = _CGROUP_MEMORY) -> int | None:
-    """Memory a new allocation can get: MemAvailable, capped by a cgroup v2 limit; None if unknown."""
-    available: int | None = None
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    if available is None:
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            return None
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((cgroup / "memory.current").read_text().strip())
-            available = min(available, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 def _quantized_classes() -> tuple[type, ...]:
@@ -210,7 +182,7 @@ def apply_dtype_policy(
 ) -> DtypeDecision:
     """Prepare `model` (loaded lazily) for `device` (default: MLX's), evaluate it, log the choice.
 
-    `available` is the free memory in bytes (default: measured; if unknown, convert). `kernels`
+    `available` is the free memory in bytes (default: `node.cpu.memory`'s probe, as placement). `kernels`
     is the native kernels' load result (default: `load_kernels()` unless turned off).
     """
     device = mx.default_device() if device is None else device
@@ -252,7 +224,7 @@ def _keep_as_stored(
     need = sum(_dense_bytes(m) for _, m in rest)
     free = available_memory_bytes() if available is None else available
     note = ""
-    if rest and free is not None and need + HEADROOM_MIN_BYTES > free:
+    if rest and need + HEADROOM_MIN_BYTES > free:
         note = f"; {len(rest)} other quantized layers stay on MLX's slow kernels (no memory for float32)"
         rest = []
     elif rest:
@@ -290,7 +262,7 @@ def _decide(
     headroom = max(HEADROOM_MIN_BYTES, int(need * HEADROOM_FRACTION))
     free = available_memory_bytes() if available is None else available
     gb = 1e9
-    if free is not None and need + headroom > free:
+    if need + headroom > free:
         return DtypeDecision(
             False,
             stored,
@@ -299,9 +271,9 @@ def _decide(
             f"{free / gb:.1f} GB available; expect slow CPU kernels",
         )
     action = "dequantized" if quantized else "converted"
-    memory = "available memory unknown" if free is None else f"{free / gb:.1f} GB available"
     return DtypeDecision(
         True,
         stored,
-        f"weights: float32, {action} at load from {stored} ({no_kernels}; {need / gb:.2f} GB, {memory})",
+        f"weights: float32, {action} at load from {stored} ({no_kernels}; {need / gb:.2f} GB, "
+        f"{free / gb:.1f} GB available)",
     )

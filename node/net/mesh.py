@@ -306,7 +306,7 @@ class Mesh:
             raise ChannelError(f"peer {peer_id} is not connected")
         try:
             with trio.fail_after(self.config.channel_open_timeout_s):
-                stream = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+                stream = await self._new_stream(peer_id, protocol)
         except trio.TooSlowError as exc:
             raise ChannelError(f"opening a channel to {peer_id} timed out") from exc
         except quirks.TRANSPORT_ERRORS as exc:
@@ -314,6 +314,20 @@ class Mesh:
         channel = Channel(stream, peer_id, protocol, max_frame_bytes or self.config.max_request_bytes)
         channel.start_reading(self._nursery)
         return channel
+
+    async def _new_stream(self, peer_id: str, protocol: str) -> Any:
+        """A stream, tried a second time after a transport error: when two nodes dial each other
+        as one joins, the connection a first stream picked can be the one being closed (seen as a
+        503 on the first request to a node that had just joined, under load). Nothing was sent
+        yet, so trying again is safe."""
+        for attempt in range(2):
+            try:
+                return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            except quirks.TRANSPORT_ERRORS:
+                if attempt == 1 or not self._book.is_authenticated(peer_id):
+                    raise
+                await trio.sleep(0.2)
+        raise AssertionError("unreachable")
 
     def set_channel_handler(
         self, protocol: str, handler: ChannelHandler, *, max_frame_bytes: int | None = None

@@ -68,6 +68,7 @@ class PeerBook:
 
     # --- transitions ---------------------------------------------------------------------------
     def connection_opened(self, peer_id: str, now: float) -> Opened:
+        self.forget_expired(now)
         peer = self._get(peer_id)
         if peer.connections == 0:
             self._epochs += 1
@@ -120,7 +121,14 @@ class PeerBook:
         return True
 
     def forget_expired(self, now: float) -> None:
-        """Drop refusals that ended for peers with no connection (keeps the book small)."""
+        """Drop peers with no connection whose refusal has ended (or who never had one).
+
+        A refused peer is remembered after its last connection closes, so that it stays refused
+        when it dials again; once the refusal has run out there is nothing left to remember.
+        Every `connection_opened` calls this, so the book holds the connected peers and those
+        refused in the last `refuse_s`, however many peer ids ever tried (one pass over a book
+        that small costs less than the handshake the connection starts).
+        """
         for pid in [
             p for p, peer in self._peers.items() if peer.connections == 0 and peer.refused_until <= now
         ]:

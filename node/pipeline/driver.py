@@ -40,8 +40,11 @@ import mlx.core as mx
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import CONNECT_TIMEOUT, HOP_TIMEOUT, HopError
 from node.pipeline.ring import Cancelled, Ring
-from node.pipeline.shard import SamplingParams, Shard
+from node.pipeline.shard import Shard, request_sampler
+from protocol.chat import GREEDY, SamplingParams
 
+SAMPLER_FIELDS = {"temperature", "top_p", "seed"}
+"""What the last stage needs of a request's `SamplingParams` (sent in its first frame)."""
 MAX_CHUNKS_IN_FLIGHT = 2
 """Prefill chunks sent but not yet acknowledged: 2 keeps the next stage busy while this one works
 on the following chunk, without queueing a whole prompt's activations in socket buffers."""
@@ -173,7 +176,7 @@ class PipelineGenerator:
             yield from run(
                 prompt,
                 max_tokens,
-                sampling or SamplingParams(),
+                sampling or GREEDY,
                 eos_token_ids,
                 prefill_step_size,
                 progress_callback or _no_progress,
@@ -193,7 +196,7 @@ class PipelineGenerator:
         cancelled: Callable[[], bool],
     ) -> Iterator[int]:
         cache = self.shard.make_cache()
-        sampler = sampling.start()
+        sampler = request_sampler(sampling)
         total = prompt.size
         progress(0, total)
         done = 0
@@ -242,7 +245,7 @@ class PipelineGenerator:
         request = next(self._requests)
         stats = self.last_stats = RingStats()
         cache = self.shard.make_cache()
-        first_meta: dict[str, Any] = {"sampling": sampling.to_meta()}
+        first_meta: dict[str, Any] = {"sampling": sampling.model_dump(include=SAMPLER_FIELDS)}
         total = prompt.size
         ending = Kind.CANCEL
         try:

@@ -30,6 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from protocol.chat import SamplingParams
+
 log = logging.getLogger("shoal.pipeline")
 
 SUPPORTED_MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
@@ -85,51 +87,30 @@ def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
 Sampler = Callable[[mx.array], mx.array]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the last stage picks tokens: `mlx_lm.sample_utils.make_sampler`'s knobs plus a seed.
+def request_sampler(params: SamplingParams) -> Sampler:
+    """One request's sampler, the same in a runner and on a pipeline's last stage.
 
-    The seed is applied with `mx.random.seed` when the request starts on the stage that samples,
-    exactly as a single process seeds before `stream_generate`, so a seeded request draws the same
-    tokens as one process would.
+    Greedy at temperature 0 (mlx-lm's one `greedy_sampler` object, so greedy rows of a batch are
+    sampled in one call). With a seed, the request draws from its own PRNG key, split once per
+    token: its tokens depend only on the seed and the log-probs, never on the batch it shares or
+    on which process samples. Without one, mlx-lm's sampler draws from MLX's global generator.
     """
+    from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-    temperature: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def to_meta(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> SamplingParams:
-        seed = meta.get("seed")
-        return cls(
-            temperature=float(meta.get("temperature", 0.0)),
-            top_p=float(meta.get("top_p", 0.0)),
-            min_p=float(meta.get("min_p", 0.0)),
-            top_k=int(meta.get("top_k", 0)),
-            seed=None if seed is None else int(seed),
-        )
-
-    def start(self) -> Sampler:
-        """Seed MLX's generator (when a seed is set) and return the sampler for one request."""
-        from mlx_lm.sample_utils import make_sampler
-
-        if self.seed is not None:
-            mx.random.seed(self.seed)
-        sampler: Sampler = make_sampler(
-            temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k
-        )
+    if params.temperature == 0 or params.seed is None:
+        sampler: Sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
         return sampler
+    key = mx.random.key(params.seed)
+    temperature, top_p = params.temperature, params.top_p
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=sub)
+
+    return sample
 
 
 class Shard(nn.Module):

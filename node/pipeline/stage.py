@@ -2,8 +2,8 @@
 
     python -m node.pipeline.stage --model-path P --start S --end E --listen PORT [--next HOST:PORT]
 
-Loads only layers [S, E) (see `shard`), listens, and prints one line on stdout once it accepts
-connections: `SHOAL_STAGE_READY {"port": ..., "start": S, "end": E, "pid": ...}`.
+Loads only layers [S, E) (see `shard`), listens, and writes one frame on stdout once it accepts
+connections: `StageReady` (port, start, end, pid), the handshake of `node.children`.
 
 A session starts when the previous stage (or the driver) connects and says HELLO. The driver's
 HELLO carries the route: the address of every later hop, ending with the driver's own. A stage
@@ -26,23 +26,22 @@ the accept poll interval, and never blocks on a peer without a bound.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import selectors
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from pydantic import TypeAdapter
 
+from node.children.process import exit_when_orphaned, read_first_frame, spawn, terminate
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import (
     CONNECT_TIMEOUT,
@@ -55,11 +54,13 @@ from node.pipeline.hop import (
     listen,
     parse_address,
 )
-from node.pipeline.shard import Sampler, SamplingParams, Shard, load_shard
+from node.pipeline.shard import Sampler, Shard, load_shard, request_sampler
+from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
+from protocol.chat import SamplingParams
+from protocol.framing import FrameError, encode
 
 log = logging.getLogger("shoal.pipeline")
 
-READY_PREFIX = "SHOAL_STAGE_READY "
 MAX_LIVE_REQUESTS = 16
 """Caches kept at once; the oldest is dropped beyond this (a driver that lost track of a request).
 The driver runs one request at a time, so normally there is one."""
@@ -195,7 +196,7 @@ class StageServer:
             if frame.position != 0:
                 raise StepError(f"request {frame.request} is unknown here (its cache was dropped)")
             sampler = (
-                SamplingParams.from_meta(dict(frame.meta.get("sampling", {}))).start()
+                request_sampler(SamplingParams.model_validate(frame.meta.get("sampling", {})))
                 if spec.is_last
                 else None
             )
@@ -238,53 +239,64 @@ def _since_us(started: float) -> int:
     return int((time.perf_counter() - started) * 1e6)
 
 
+class StageReady(WireMessage):
+    """A stage process's one frame on stdout: it accepts connections on `port`."""
+
+    port: int
+    start: int
+    end: int
+    pid: int
+
+
+READY_MAX_BYTES = 1024
+"""A ready frame is a few dozen bytes; the cap on what a starting stage may make us buffer."""
+
+
+def encode_ready(ready: StageReady) -> bytes:
+    return encode(encode_cbor(ready, limit=READY_MAX_BYTES, error=FrameError), READY_MAX_BYTES)
+
+
+def decode_ready(frame: bytes) -> StageReady:
+    """`FrameError` for a frame that is no `StageReady`."""
+    return decode_cbor(_READY, frame, limit=READY_MAX_BYTES, error=FrameError, what="stage ready frame")
+
+
+_READY: TypeAdapter[StageReady] = TypeAdapter(StageReady)
+
+
+def stage_command(
+    model_path: Path | str,
+    *,
+    start: int,
+    end: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    hop_timeout: float = HOP_TIMEOUT,
+    parent_pid: int | None = None,
+) -> list[str]:
+    """`python -m node.pipeline.stage` with these arguments (see `main`)."""
+    command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
+    command += ["--start", str(start), "--listen", f"{host}:{port}", "--hop-timeout", str(hop_timeout)]
+    if end is not None:
+        command += ["--end", str(end)]
+    if parent_pid is not None:
+        command += ["--parent-pid", str(parent_pid)]
+    return command
+
+
 @dataclass
 class StageProcess:
-    """A stage running as its own OS process (see `spawn_stage`)."""
+    """A stage running as its own OS process, for callers without trio (tests, benchmarks); the
+    node runs its stages with `node.children.supervisor` instead (`node.hosted_stages`)."""
 
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[bytes]
     address: tuple[str, int]
     start: int
     end: int
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-PARENT_POLL = 0.5
-"""Seconds between checks that the parent still lives (where the kernel cannot tell us: macOS)."""
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): get SIGKILL when the parent dies, however it dies.
-
-    A runner exits when its stdin closes; a stage process has no such tie, and one outliving a killed
-    node would keep a ring alive that the cluster already gave up on.
-    """
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    """A watcher thread: once the parent is gone (we were re-parented), exit. Portable, unlike
-    `_die_with_parent`, and a second line of defence where that one works."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL)
-        log.warning("the node that started this stage is gone; exiting")
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+        terminate(self.process, timeout)
 
 
 def spawn_stage(
@@ -292,59 +304,37 @@ def spawn_stage(
     *,
     start: int,
     end: int | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    next_address: tuple[str, int] | None = None,
     hop_timeout: float = HOP_TIMEOUT,
-    extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
 ) -> StageProcess:
-    """Start `python -m node.pipeline.stage`; returns at once (call `wait_ready` next).
+    """Start a stage process on 127.0.0.1, any free port; returns at once (call `wait_ready` next).
 
     Starting several stages and then waiting for all loads them in parallel. `die_with_parent`
     ends the stage when this process dies, even by SIGKILL: at once on Linux, within
-    `PARENT_POLL` elsewhere.
+    `node.children.process.PARENT_POLL` elsewhere.
     """
-    command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
-    command += ["--start", str(start), "--listen", f"{host}:{port}", "--hop-timeout", str(hop_timeout)]
-    if end is not None:
-        command += ["--end", str(end)]
-    if next_address is not None:
-        command += ["--next", f"{next_address[0]}:{next_address[1]}"]
-    if die_with_parent:
-        command += ["--parent-pid", str(os.getpid())]
-    process = subprocess.Popen(
-        [*command, *extra_args],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=None if env is None else dict(env),
-        preexec_fn=_die_with_parent if die_with_parent else None,
-    )
-    return StageProcess(process, (host, port), start, -1 if end is None else end)
+    parent_pid = os.getpid() if die_with_parent else None
+    command = stage_command(model_path, start=start, end=end, hop_timeout=hop_timeout, parent_pid=parent_pid)
+    process = spawn(command, env=env, stdin=False, die_with_parent=die_with_parent)
+    return StageProcess(process, ("127.0.0.1", 0), start, -1 if end is None else end)
 
 
 def wait_ready(stage: StageProcess, *, timeout: float = 120.0) -> StageProcess:
-    """Read the stage's ready line; RuntimeError if it exits or stays silent for `timeout` s."""
+    """Read the stage's ready frame; RuntimeError if it exits or stays silent for `timeout` s."""
     assert stage.process.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(stage.process.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                continue
-            line = stage.process.stdout.readline()
-            if not line:
-                stage.process.wait()
-                raise RuntimeError(f"stage [{stage.start}, ...) exited with {stage.process.returncode}")
-            if line.startswith(READY_PREFIX):
-                ready = json.loads(line[len(READY_PREFIX) :])
-                stage.address = (stage.address[0], int(ready["port"]))
-                stage.end = int(ready["end"])
-                stage.process.stdout.close()
-                return stage
-    stage.stop()
-    raise RuntimeError(f"stage [{stage.start}, ...) was not ready within {timeout:.0f}s")
+    try:
+        frame = read_first_frame(stage.process.stdout, max_bytes=READY_MAX_BYTES, timeout=timeout)
+    except TimeoutError:
+        stage.stop()
+        raise RuntimeError(f"stage [{stage.start}, ...) was not ready within {timeout:.0f}s") from None
+    if frame is None:
+        stage.process.wait()
+        raise RuntimeError(f"stage [{stage.start}, ...) exited with {stage.process.returncode}")
+    ready = decode_ready(bytes(frame))
+    stage.address, stage.end = (stage.address[0], ready.port), ready.end
+    stage.process.stdout.close()
+    return stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="stage: %(message)s", stream=sys.stderr)
     if args.parent_pid is not None:
-        _exit_when_orphaned(args.parent_pid)
+        exit_when_orphaned(args.parent_pid)
 
     prepare = None
     if args.dtype == "auto":
@@ -385,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         hop_timeout=args.hop_timeout,
         connect_timeout=args.connect_timeout,
     )
-    ready = {"port": server.address[1], "start": shard.spec.start, "end": shard.spec.end, "pid": os.getpid()}
-    print(READY_PREFIX + json.dumps(ready), flush=True)
+    ready = StageReady(port=server.address[1], start=shard.spec.start, end=shard.spec.end, pid=os.getpid())
+    sys.stdout.buffer.write(encode_ready(ready))
+    sys.stdout.flush()
     # From now on stdout is the log: whoever started us may stop reading the pipe.
     os.dup2(2, 1)
     server.serve_forever()

@@ -1,23 +1,22 @@
-"""Runner process entry point: `python -m node.runner --model-path P --model-id ID`.
+"""Runner process entry point: `python -m node.runner`, no arguments.
 
-Reads `Generate`/`Cancel`/`Shutdown` frames on stdin, writes `Ready`/`RequestEvent`/`LoadFailed`
-frames on stdout. MLX runs on the main thread, in the batch loop of `node.runner.scheduler`: every
-turn it takes the requests that arrived, then advances all running ones by one step. A reader thread
-receives commands, so new requests and cancels arrive while others generate. The runner exits when
-its stdin closes: a runner never outlives its node.
+Reads its `RunnerSpec` from the first frame on stdin (`Start`), then `Generate`/`Cancel`/`Shutdown`
+frames; writes `Ready`/`RequestEvent`/`LoadFailed` frames on stdout. MLX runs on the main thread,
+in the batch loop of `node.runner.scheduler`: every turn it takes the requests that arrived, then
+advances all running ones by one step. A reader thread receives commands, so new requests and
+cancels arrive while others generate. The runner exits when its stdin closes: a runner never
+outlives its node (on Linux the kernel also kills it when the node dies: `node.children`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from node.runner.engine import LoadedModel, load_model
@@ -32,10 +31,13 @@ from protocol.runner_wire import (
     Generate,
     LoadFailed,
     MessageDecoder,
+    PipelineRoute,
     Ready,
     RequestEvent,
     RunnerMessage,
+    RunnerSpec,
     Shutdown,
+    Start,
     encode_frame,
 )
 
@@ -88,17 +90,22 @@ class _Inbox:
         self.pending.put(None)
 
 
-def _read_commands(stdin: BinaryIO, inbox: _Inbox) -> None:
+def _messages(stdin: BinaryIO) -> Iterator[RunnerMessage]:
+    """The node's messages, in order, until stdin closes; `FrameError` for a bad frame."""
     decoder = MessageDecoder()
+    while data := stdin.read1(65536):  # type: ignore[attr-defined]
+        yield from decoder.feed(data)
+
+
+def _read_commands(commands: Iterator[RunnerMessage], inbox: _Inbox) -> None:
     try:
-        while data := stdin.read1(65536):  # type: ignore[attr-defined]
-            for message in decoder.feed(data):
-                if isinstance(message, Generate):
-                    inbox.pending.put(message.request)
-                elif isinstance(message, Cancel):
-                    inbox.cancel(message.request_id)
-                elif isinstance(message, Shutdown):
-                    return
+        for message in commands:
+            if isinstance(message, Generate):
+                inbox.pending.put(message.request)
+            elif isinstance(message, Cancel):
+                inbox.cancel(message.request_id)
+            elif isinstance(message, Shutdown):
+                return
     except FrameError:
         log.exception("bad frame from the node; shutting down")
     finally:
@@ -120,7 +127,7 @@ def _take_requests(inbox: _Inbox, scheduler: Scheduler) -> bool:
 
 
 def _start_serving(
-    wire: _Wire, loaded: LoadedModel
+    wire: _Wire, loaded: LoadedModel, commands: Iterator[RunnerMessage]
 ) -> tuple[_Inbox, Callable[[RequestId, ChunkEvent], None]]:
     """Once the model is loaded: read the node's commands, say Ready, and give the event sender
     (which forgets a request after its last event)."""
@@ -131,25 +138,25 @@ def _start_serving(
         if is_terminal(event):
             inbox.forget(request_id)
 
-    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, inbox), daemon=True).start()
+    threading.Thread(target=_read_commands, args=(commands, inbox), daemon=True).start()
     wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
     return inbox, emit
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m node.runner")
-    parser.add_argument("--model-path", type=Path, required=True)
-    parser.add_argument("--vocab-dir", type=Path, default=None)
-    parser.add_argument("--prefill-step-size", type=int, default=512)
-    parser.add_argument("--max-concurrent", type=int, default=8, help="requests decoded together")
-    parser.add_argument("--prefix-cache-tokens", type=int, default=8192, help="0 disables the prefix cache")
-    parser.add_argument("--pipeline-end", type=int, default=None, help="pipeline mode: run layers [0, END)")
-    parser.add_argument("--pipeline-stages", default="", help="pipeline mode: HOST:PORT,... of later stages")
-    parser.add_argument(
-        "--pipeline-host", default="127.0.0.1", help="pipeline mode: address the last stage dials"
-    )
-    args = parser.parse_args(argv)
+def _read_spec(commands: Iterator[RunnerMessage]) -> RunnerSpec | None:
+    """The spec from the node's first frame; None (logged) when that is not a `Start`."""
+    try:
+        first = next(commands, None)
+    except FrameError:
+        log.exception("bad first frame from the node")
+        return None
+    if not isinstance(first, Start):
+        log.error("the node's first frame is %s, not the runner's spec", type(first).__name__)
+        return None
+    return first.spec
 
+
+def main() -> int:
     # The node stops us by closing stdin; Ctrl-C in a terminal must not kill us mid-write.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Frames own the real stdout; anything printed by libraries goes to stderr (the node's log).
@@ -158,22 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.INFO, format="runner: %(message)s")
 
-    if args.pipeline_end is not None:
-        return _pipeline_main(args, wire)
+    commands = _messages(sys.stdin.buffer)
+    if (spec := _read_spec(commands)) is None:
+        return 2
+    if spec.pipeline is not None:
+        return _pipeline_main(spec, spec.pipeline, wire, commands)
     try:
-        loaded = load_model(args.model_path, vocab_dir=args.vocab_dir)
+        loaded = load_model(spec.model_path, vocab_dir=spec.vocab_dir)
     except Exception as exc:  # any load failure is reported to the node, which shows it to users
-        log.exception("could not load %s", args.model_path)
+        log.exception("could not load %s", spec.model_path)
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
         return 1
-    inbox, emit = _start_serving(wire, loaded)
+    inbox, emit = _start_serving(wire, loaded, commands)
     scheduler = Scheduler(
         loaded,
         emit=emit,
         is_cancelled=inbox.is_cancelled,
-        prefill_step_size=args.prefill_step_size,
-        max_concurrent=args.max_concurrent,
-        prefix_cache=PrefixCache(args.prefix_cache_tokens),
+        prefill_step_size=spec.prefill_step_size,
+        max_concurrent=spec.max_concurrent,
+        prefix_cache=PrefixCache(spec.prefix_cache_tokens),
     )
 
     while _take_requests(inbox, scheduler):
@@ -182,23 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pipeline_main(args: argparse.Namespace, wire: _Wire) -> int:
+def _pipeline_main(
+    spec: RunnerSpec, route: PipelineRoute, wire: _Wire, commands: Iterator[RunnerMessage]
+) -> int:
     """Pipeline mode (`node.runner.pipeline_mode`): this process drives the stages, one request at a time."""
     from node.runner.pipeline_mode import load_pipeline, run_one
 
+    end, host, stages = route
     try:
         loaded, driver = load_pipeline(
-            args.model_path,
-            end=args.pipeline_end,
-            stages=[s for s in args.pipeline_stages.split(",") if s],
-            host=args.pipeline_host,
-            vocab_dir=args.vocab_dir,
+            spec.model_path, end=end, stages=list(stages), host=host, vocab_dir=spec.vocab_dir
         )
     except Exception as exc:  # reported to the node like any load failure
-        log.exception("could not load the first stage of %s", args.model_path)
+        log.exception("could not load the first stage of %s", spec.model_path)
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
         return 1
-    inbox, emit = _start_serving(wire, loaded)
+    inbox, emit = _start_serving(wire, loaded, commands)
     try:
         while (request := inbox.pending.get()) is not None:
             run_one(
@@ -207,7 +216,7 @@ def _pipeline_main(args: argparse.Namespace, wire: _Wire) -> int:
                 request,
                 emit=emit,
                 is_cancelled=inbox.is_cancelled,
-                prefill_step_size=args.prefill_step_size,
+                prefill_step_size=spec.prefill_step_size,
             )
     finally:
         driver.close()

@@ -3,9 +3,10 @@
 Runs on the runner process's main thread and never talks to a pipe itself: events go out through
 `emit`. `admit` turns a request into prompt tokens (or an `invalid_request` error); `RequestOutput`
 turns one request's generated tokens into chunk events (detokenizer, output parser, stop strings,
-exactly one terminal event); `make_request_sampler` gives each request its own sampler. The batch
-loop that feeds many requests at once is `node.runner.scheduler`; `generate` runs one request alone,
-for models whose KV cache mlx-lm cannot batch.
+exactly one terminal event); each request samples with its own `node.pipeline.shard.request_sampler`,
+as a pipeline's last stage does. The batch loop that feeds many requests at once is
+`node.runner.scheduler`; `generate` runs one request alone, for models whose KV cache mlx-lm cannot
+batch.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from node.cpu.dtype import apply_dtype_policy
+from node.pipeline.shard import request_sampler
 from node.runner.formats import ChatFormat, PromptError, chat_format_for
 from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
-from protocol.chat import GenerateRequest, SamplingParams
+from protocol.chat import GenerateRequest
 from protocol.events import (
     ChunkEvent,
     Finish,
@@ -43,7 +44,6 @@ DEFAULT_CONTEXT_LENGTH = 4096
 """Used when config.json names no context length."""
 
 Emit = Callable[[ChunkEvent], None]
-Sampler = Callable[[mx.array], mx.array]
 
 
 @dataclass(frozen=True)
@@ -110,28 +110,6 @@ def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | Generatio
             f"context of {loaded.context_length} tokens"
         )
     return Admitted(request, list(prompt), max_tokens if max_tokens is not None else room)
-
-
-def make_request_sampler(params: SamplingParams) -> Sampler:
-    """A sampler for one request: greedy at temperature 0, else temperature and top-p sampling.
-
-    A request with a `seed` draws from its own PRNG key, split once per token, so its output depends
-    only on the seed and the model, never on which other requests share its batch. All greedy
-    requests share one sampler object, which lets mlx-lm sample a whole batch in one call.
-    """
-    if params.temperature == 0 or params.seed is None:
-        return make_sampler(temp=params.temperature, top_p=params.top_p)
-    key = mx.random.key(params.seed)
-    temperature, top_p = params.temperature, params.top_p
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=sub)
-
-    return sample
 
 
 class RequestOutput:
@@ -242,7 +220,7 @@ def generate(
                 mx.array(admitted.prompt),
                 loaded.model,
                 max_tokens=admitted.max_tokens,
-                sampler=make_request_sampler(admitted.request.params),
+                sampler=request_sampler(admitted.request.params),
                 prefill_step_size=prefill_step_size,
                 prompt_progress_callback=on_progress,
             )

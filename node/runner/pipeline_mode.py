@@ -1,6 +1,6 @@
 """The runner's pipeline mode: this process holds layers [0, k) and drives the later stages.
 
-`python -m node.runner --model-path P --pipeline-end k --pipeline-stages HOST:PORT,...` loads only
+A runner whose spec has a `pipeline` route (k, host, HOST:PORT of each later stage) loads only
 its shard and generates with `node.pipeline.driver.PipelineGenerator`, one request at a time (no
 batching, no prefix cache). The per-request logic is the engine's: `admit` checks the prompt,
 `RequestOutput` turns tokens into events and ends each request with exactly one terminal event. A
@@ -18,7 +18,7 @@ from mlx_lm.utils import load_tokenizer
 from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import HopError, parse_address
-from node.pipeline.shard import SamplingParams, load_shard
+from node.pipeline.shard import load_shard
 from node.runner.engine import LoadedModel, RequestOutput, admit, loaded_model
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent, FinishReason, GenerationError
@@ -58,8 +58,6 @@ def run_one(
         send(admitted)
         return
     output = RequestOutput(loaded, admitted, send)
-    params = request.params
-    sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
     eos = loaded.tokenizer.eos_token_ids
     reason: FinishReason = "length"
     try:
@@ -67,7 +65,7 @@ def run_one(
             driver.generate(
                 admitted.prompt,
                 max_tokens=admitted.max_tokens,
-                sampling=sampling,
+                sampling=request.params,
                 eos_token_ids=eos,
                 prefill_step_size=prefill_step_size,
                 progress_callback=lambda processed, _total: output.progress(processed),

@@ -40,7 +40,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from node.runner.engine import Admitted, LoadedModel, RequestOutput, admit, generate, make_request_sampler
+from node.pipeline.shard import request_sampler
+from node.runner.engine import Admitted, LoadedModel, RequestOutput, admit, generate
 from node.runner.prefix_cache import PrefixCache
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent, FinishReason, GenerationError
@@ -180,7 +181,7 @@ class Scheduler:
                     max_tokens=[admitted.max_tokens],
                     caches=[cache] if cache is not None else None,
                     all_tokens=[prompt[:cached]],
-                    samplers=[make_request_sampler(admitted.request.params)],
+                    samplers=[request_sampler(admitted.request.params)],
                     stop_sequences=[self._eos],
                 )
             except Exception as exc:  # a fault in one request fails that request, not the batch

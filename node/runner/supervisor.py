@@ -1,7 +1,8 @@
 """Keeps one runner process per model alive and multiplexes requests over its pipes.
 
-The node's trio loop only moves frames; MLX runs in the child. When the child dies (crash, OOM,
-SIGKILL) every in-flight request gets a `server_error` event at once and a fresh runner starts.
+The node's trio loop only moves frames; MLX runs in the child (started, handed its spec, stopped
+and restarted by `node.children`). When the child dies (crash, OOM, SIGKILL) every in-flight
+request gets a `server_error` event at once and a fresh runner starts.
 """
 
 from __future__ import annotations
@@ -9,30 +10,30 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
+from node.children.supervisor import Child, ChildFailed, Launch, keep_restarting, running
 from node.cpu.fastpath import runner_environment
-from protocol.backoff import RESTART, Backoff
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent, Finish, GenerationError, is_terminal
-from protocol.ids import ModelId, RequestId
+from protocol.ids import RequestId
 from protocol.runner_wire import (
+    MAX_FRAME_BYTES,
     Cancel,
     FrameError,
     Generate,
     LoadFailed,
-    MessageDecoder,
     Ready,
     RequestEvent,
     RunnerMessage,
+    RunnerSpec,
+    Start,
+    decode_message,
     encode_frame,
 )
 
@@ -44,41 +45,18 @@ log = logging.getLogger("shoal.runner")
 
 RunnerState = Literal["starting", "ready", "restarting", "failed"]
 
+RUNNER_COMMAND = (sys.executable, "-m", "node.runner")
+"""No arguments: the runner reads its `RunnerSpec` from the first frame on its stdin."""
 
-@dataclass(frozen=True)
-class RunnerSpec:
-    model_id: ModelId
-    model_path: Path
-    vocab_dir: Path | None = None
-    prefill_step_size: int = 512
-    max_concurrent: int = 8
-    """Requests the runner decodes together in one batch; more wait in its queue."""
-    max_queued: int = 32
-    """Requests that may wait beyond `max_concurrent`; past that one gets `overloaded` (HTTP 429)."""
-    prefix_cache_tokens: int = 8192
-    """The runner's prefix cache budget in tokens, 0 = off (see `node.runner.prefix_cache`)."""
-    ready_timeout_s: float = 300.0
-    """How long a request waits for a (re)starting runner before it fails."""
-    exit_grace_s: float = 2.0
-    """How long a runner gets to exit after its stdin closes before it is killed."""
-    fast_path: bool = True
-    """Optimized BLAS and thread count for the runner on Linux CPUs (`node.cpu.fastpath`)."""
-    pipeline: tuple[int, str, tuple[str, ...]] | None = None
-    """Pipeline mode: (end layer k, host the last stage dials back, HOST:PORT of the later stages);
-    the runner then holds layers [0, k) and drives the others (`node.runner.pipeline_mode`)."""
 
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "node.runner", "--model-path", str(self.model_path)]
-        cmd += ["--prefill-step-size", str(self.prefill_step_size)]
-        cmd += ["--max-concurrent", str(self.max_concurrent)]
-        cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
-        if self.vocab_dir is not None:
-            cmd += ["--vocab-dir", str(self.vocab_dir)]
-        if self.pipeline is not None:
-            end, host, stages = self.pipeline
-            cmd += ["--pipeline-end", str(end), "--pipeline-host", host]
-            cmd += ["--pipeline-stages", ",".join(stages)]
-        return cmd
+def child_environment(spec: RunnerSpec) -> dict[str, str]:
+    """A runner's (or stage process's) environment: offline, unbuffered, the harmony vocab, and the
+    BLAS settings of `node.cpu.fastpath`."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if spec.vocab_dir is not None:
+        env["TIKTOKEN_ENCODINGS_BASE"] = str(spec.vocab_dir)
+    env.update(runner_environment(env, enabled=spec.fast_path))
+    return env
 
 
 class _EventStream:
@@ -131,57 +109,48 @@ class RunnerSupervisor:
         """Generations the runner reports as stopped by a cancel (client gone, /v1/cancel)."""
         self._ready = trio.Event()
         self._in_flight: dict[RequestId, trio.MemorySendChannel[ChunkEvent]] = {}
-        self._process: trio.Process | None = None
-        self._send_lock = trio.Lock()
+        self._child: Child | None = None
 
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the runner and restart it whenever it dies; returns only if the model can't load."""
         task_status.started()
-        backoff = Backoff(RESTART)
-        while True:
-            backoff.started(trio.current_time())
-            exit_code = await self._run_once()
-            self.fail_in_flight(f"the model runner stopped unexpectedly (exit code {exit_code})")
-            if self.state == "failed":
-                log.error("model %s cannot be served: %s", self.spec.model_id, self.failure)
-                return
-            self.state, self._ready, self.restarts = "restarting", trio.Event(), self.restarts + 1
-            delay = backoff.failed(trio.current_time())
-            log.warning(
-                "runner for %s exited (code %s); restarting in %.1fs", self.spec.model_id, exit_code, delay
-            )
-            await trio.sleep(delay)
+        await keep_restarting(self._run_once, self._again)
+
+    def _again(self, exit_code: int | None, delay: float) -> bool:
+        """After the runner ended: fail what was in flight, and say whether to start it again."""
+        self.fail_in_flight(f"the model runner stopped unexpectedly (exit code {exit_code})")
+        if self.state == "failed":
+            log.error("model %s cannot be served: %s", self.spec.model_id, self.failure)
+            return False
+        self.state, self._ready, self.restarts = "restarting", trio.Event(), self.restarts + 1
+        log.warning(
+            "runner for %s exited (code %s); restarting in %.1fs", self.spec.model_id, exit_code, delay
+        )
+        return True
 
     async def _run_once(self) -> int | None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        if self.spec.vocab_dir is not None:
-            env["TIKTOKEN_ENCODINGS_BASE"] = str(self.spec.vocab_dir)
-        env.update(runner_environment(env, enabled=self.spec.fast_path))
-        process = await trio.lowlevel.open_process(
-            self.spec.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        launch = Launch(
+            RUNNER_COMMAND,
+            child_environment(self.spec),
+            MAX_FRAME_BYTES,
+            spec_frame=encode_frame(Start(spec=self.spec)),
+            stop_grace_s=self.spec.exit_grace_s,
         )
-        self._process = process
-        log.info("runner for %s started (pid %d)", self.spec.model_id, process.pid)
-        try:
-            await self._pump(process)
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._stop(process)
-            self._process = None
-        return process.returncode
-
-    async def _pump(self, process: trio.Process) -> None:
-        assert process.stdout is not None
-        decoder = MessageDecoder()
-        while data := await process.stdout.receive_some(65536):
+        async with running(launch) as child:
+            self._child = child
+            log.info("runner for %s started (pid %d)", self.spec.model_id, child.pid)
             try:
-                messages = decoder.feed(data)
+                self._on_message(decode_message(bytes(await child.handshake(timeout=None))))
+                while (frame := await child.receive_frame()) is not None:
+                    self._on_message(decode_message(bytes(frame)))
+            except ChildFailed:
+                pass  # it died while loading: its exit code says the rest
             except FrameError:
                 log.exception("runner for %s sent a bad frame; restarting it", self.spec.model_id)
-                return
-            for message in messages:
-                self._on_message(message)
+            finally:
+                self._child = None
+        return child.returncode
 
     def _on_message(self, message: RunnerMessage) -> None:
         if isinstance(message, RequestEvent):
@@ -206,15 +175,6 @@ class RunnerSupervisor:
             self.state, self.failure = "failed", message.message
             self._ready.set()
 
-    async def _stop(self, process: trio.Process) -> None:
-        if process.stdin is not None:
-            await process.stdin.aclose()
-        with trio.move_on_after(self.spec.exit_grace_s):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-
     def fail_in_flight(self, message: str) -> None:
         """End every in-flight request with a server_error (the runner died or is being stopped)."""
         in_flight, self._in_flight = self._in_flight, {}
@@ -222,15 +182,9 @@ class RunnerSupervisor:
             _deliver(send, _error(message))
 
     async def _send(self, message: RunnerMessage) -> bool:
-        process = self._process
-        if process is None or process.stdin is None:
-            return False
-        async with self._send_lock:
-            try:
-                await process.stdin.send_all(encode_frame(message))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return False  # the runner is gone; its pump notices and fails the requests
-        return True
+        """False when the runner is gone: its pump notices and fails the requests."""
+        child = self._child
+        return child is not None and await child.send(encode_frame(message))
 
     # --- what the API uses -------------------------------------------------------------------
     @asynccontextmanager
@@ -280,7 +234,7 @@ class RunnerSupervisor:
         return {
             "model": self.spec.model_id,
             "state": self.state,
-            "pid": self._process.pid if self._process is not None else None,
+            "pid": self._child.pid if self._child is not None else None,
             "restarts": self.restarts,
             "active_requests": len(self._in_flight),
             "queued_requests": max(0, len(self._in_flight) - self._batch_capacity),
