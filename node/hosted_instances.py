@@ -24,10 +24,9 @@ from node.hosted_stages import (
     reachable_host,
     run_entry,
     run_stage_process,
-    stage_environment,
 )
 from node.models import ResolvedModel
-from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from node.runner.supervisor import RunnerSpec, RunnerSupervisor, child_environment
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import StageAddress, StageAddressAnswer
@@ -151,7 +150,7 @@ class HostedInstances:
             def publish_address(address: str | None) -> None:
                 hosted.stage_address = address
 
-            env = stage_environment(spec)
+            env = child_environment(spec)  # a stage runs as a runner would: offline, its BLAS settings
             await run_stage_process(
                 resolved.path, mine, host=host, env=env, publish=publish_address, instance=record.instance_id
             )

@@ -22,7 +22,7 @@ import trio
 from node.children.supervisor import ChildFailed, Launch, keep_restarting, running
 from node.net.mesh import RequestError
 from node.pipeline.stage import READY_MAX_BYTES, decode_ready, stage_command
-from node.runner.supervisor import RunnerSpec, RunnerSupervisor, child_environment
+from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
@@ -62,11 +62,6 @@ def reachable_host(addrs: list[str]) -> str:
 
 def _label(stage: StageAssignment) -> str:
     return f"stage [{stage.start_layer}, {stage.end_layer})"
-
-
-def stage_environment(spec: RunnerSpec) -> dict[str, str]:
-    """A stage process's environment: the runner's (offline, unbuffered, its BLAS settings)."""
-    return child_environment(spec)
 
 
 def answer_stage_address(
