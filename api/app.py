@@ -12,24 +12,31 @@ from api.chat import ChatRoutes
 from api.cluster import ClusterRoutes
 from api.errors import EXCEPTION_HANDLERS
 from api.instances import InstanceRoutes
+from api.messages import MessagesRoutes
 from api.models import ModelRoutes
+from api.ollama import OllamaRoutes
+from api.responses import ResponsesRoutes
+from api.surface import Limits
 
 KEEPALIVE_S = 10.0
 """Send an SSE comment after this long without an event: well under the 30-60 s at which proxies and
 clients commonly drop an idle connection, and rare enough to cost nothing."""
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-"""Larger chat-completion bodies get a 413. A full 128k-token conversation is about 0.5-1 MiB of JSON;
+"""Larger request bodies get a 413. A full 128k-token conversation is about 0.5-1 MiB of JSON;
 the runner wire's frame limit (`protocol.runner_wire.MAX_FRAME_BYTES`, 16 MiB) must stay above this."""
 
 
 def create_app(
     backend: Backend, *, keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES
 ) -> Starlette:
-    """The OpenAI-compatible API over `backend`. Every error answers in OpenAI's error shape."""
-    chat = ChatRoutes(backend, keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
+    """The HTTP API over `backend`: OpenAI chat completions, Claude Messages, OpenAI Responses and
+    Ollama, one generation path in four encodings. Errors answer in the shape of the surface asked
+    (OpenAI's for routes no surface claims)."""
+    limits = Limits(keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
+    surfaces = (ChatRoutes, MessagesRoutes, ResponsesRoutes, OllamaRoutes)
     routes = [
-        *chat.routes(),
+        *(route for cls in surfaces for route in cls(backend, limits).routes()),
         *ModelRoutes(backend).routes(),
         *ClusterRoutes(backend).routes(),
         *InstanceRoutes(backend).routes(),

@@ -1,7 +1,7 @@
 """Backend chunk events as OpenAI chat-completion objects, streamed (SSE frames) or collected (one object).
 
 Sans-I/O: both classes take events and return bytes or dicts; `api/chat.py` moves them. The stream
-rules: every chunk carries the same id, `created` and `model`; the first chunk's delta carries
+rules (`ChatEncoder`): every chunk carries the same id, `created` and `model`; the first chunk's delta carries
 `role: "assistant"`; `finish_reason` appears only on the last choice chunk (`tool_calls` whenever a
 tool call was emitted); with `include_usage` a final chunk with `choices: []` carries the usage; the
 stream ends with `data: [DONE]`, also after an error.
@@ -13,6 +13,7 @@ from typing import Any, Literal, assert_never
 
 from api import sse
 from api.errors import ApiError, error_type, from_generation_error
+from api.streaming import BROKEN_OFF
 from protocol.events import (
     ChunkEvent,
     Finish,
@@ -59,7 +60,7 @@ def _tool_call_json(call: ToolCall, index: int) -> dict[str, Any]:
     }
 
 
-class StreamEncoder:
+class ChatEncoder:
     """One streamed completion: `start()`, then `feed()` each event until `done`."""
 
     def __init__(self, completion_id: str, model: str, created: int, *, include_usage: bool) -> None:
@@ -114,13 +115,10 @@ class StreamEncoder:
                 assert_never(event)
 
     def broken_off(self) -> bytes:
-        """The backend's events ended without a terminal event: close the stream with an error."""
-        return self.feed(
-            GenerationError(error_kind="server_error", message="the generation ended without finishing")
-        )
+        return self.feed(BROKEN_OFF)
 
 
-class CompletionCollector:
+class ChatCollector:
     """One non-streamed completion: `feed()` every event, then `result()`."""
 
     def __init__(self, completion_id: str, model: str, created: int) -> None:

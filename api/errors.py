@@ -133,9 +133,14 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
+def unexpected(request: Request, exc: Exception) -> ApiError:
+    """A fault of ours, logged with its traceback; the client learns only that it happened."""
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return ApiError(500, "The server had an error while processing your request").response()
+    return ApiError(500, "The server had an error while processing your request")
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return unexpected(request, exc).response()
 
 
 EXCEPTION_HANDLERS = {

@@ -51,6 +51,8 @@ class SamplingParams(BaseModel):
     temperature: float = 1.0
     """0: greedy (argmax)."""
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample only among the k most likely tokens; 0: no limit (Anthropic's and Ollama's `top_k`)."""
     seed: int | None = None
     """Set: the request draws from its own PRNG key, so its tokens depend only on seed and model."""
     max_tokens: int | None = None
@@ -71,3 +73,6 @@ class GenerateRequest(BaseModel):
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: Literal["auto", "none", "required"] | str = "auto"
     """A bare function name forces that function."""
+    count_only: bool = False
+    """Only count the prompt's tokens: the runner answers `Finish` with the usage, generating nothing
+    (Anthropic's `count_tokens`). The same path as a generation, so it counts what would run."""

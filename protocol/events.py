@@ -70,6 +70,8 @@ class Finish(_Event):
     kind: Literal["finish"] = "finish"
     reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None
+    """The client's stop string that ended the text (reason "stop"); None for end-of-sequence."""
 
 
 ErrorKind = Literal["invalid_request", "server_error", "overloaded"]

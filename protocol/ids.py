@@ -9,9 +9,10 @@ RequestId = NewType("RequestId", str)
 ModelId = NewType("ModelId", str)
 
 
-def new_request_id() -> RequestId:
-    """An OpenAI-looking completion id, unique enough to key in-flight requests."""
-    return RequestId(f"chatcmpl-{secrets.token_hex(12)}")
+def new_request_id(prefix: str) -> RequestId:
+    """A request id unique enough to key in-flight requests, with its surface's prefix
+    (`chatcmpl-` for chat completions, `msg_` for Claude Messages, `resp_` for Responses)."""
+    return RequestId(f"{prefix}{secrets.token_hex(12)}")
 
 
 NodeId = NewType("NodeId", str)

@@ -1,6 +1,6 @@
 """The SSE keep-alive of a streamed completion, on trio's mock clock: one comment per quiet interval.
 
-`ChatStream` runs as a plain ASGI app in this process over a backend that sends scripted events at
+`EventStream` runs as a plain ASGI app in this process over a backend that sends scripted events at
 scripted (virtual) times; the test reads what went out and when. The real-node check that a quiet
 prefill carries keep-alives is in tests/test_api_stream_shape.py.
 """
@@ -17,8 +17,9 @@ import trio.testing
 
 from api import sse
 from api.backend import Backend
-from api.chat import ChatStream
-from api.completions import StreamEncoder
+from api.completions import ChatEncoder
+from api.streaming import EventStream
+from api.surface import OPENAI
 from protocol.chat import ChatMessage, GenerateRequest
 from protocol.events import ChunkEvent, Finish, TextDelta, Usage
 from protocol.ids import ModelId, RequestId
@@ -59,9 +60,9 @@ def stream(pauses: list[float], keepalive_s: float) -> list[tuple[float, bytes]]
             sent.append((trio.current_time(), message["body"]))
 
     async def main() -> None:
-        encoder = StreamEncoder(REQUEST.request_id, REQUEST.model, 0, include_usage=False)
+        encoder = ChatEncoder(REQUEST.request_id, REQUEST.model, 0, include_usage=False)
         backend = cast(Backend, ScriptedBackend(pauses))
-        response = ChatStream(backend, REQUEST, encoder, keepalive_s=keepalive_s)
+        response = EventStream(backend, REQUEST, encoder, surface=OPENAI, keepalive_s=keepalive_s)
         await response({"type": "http"}, receive, send)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -30,11 +29,14 @@ from node.pipeline.shard import even_split, load_shard, request_sampler
 from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
 from protocol.chat import GREEDY, SamplingParams
 from tests.model_factory import make_random_model
-from tests.nodes import wait_until
+from tests.waiting import wait_until
 
 QUESTION = "What is the capital of France?"
 FAIL_FAST_TIMEOUT = 2.0
-"""Hop timeout for the failure tests: a frozen stage must be noticed within about this."""
+"""Hop timeout for the failure tests: what ends the wait for a frozen stage (bench/pipeline.py
+reports how soon a failure is noticed)."""
+SILENCE = f"nothing from previous stage for {FAIL_FAST_TIMEOUT:.1f}s: frozen or cut off"
+"""Why a stage says its ring broke when its upstream neighbour fell silent for the hop timeout."""
 
 
 @pytest.fixture(scope="module")
@@ -225,41 +227,61 @@ def test_qwen3_layers_split_like_one_process(builtin_model_dir: Path, tmp_path: 
     assert tokens == expected
 
 
-# --- failures are errors, quickly -------------------------------------------------------------
+# --- failures are errors -------------------------------------------------------------------------
 
 
-def _generate_until_failure(driver: PipelineGenerator, prompt: list[int], fault: Any) -> float:
-    """Run a long generation, apply `fault` after a few tokens; seconds from fault to HopError."""
-    faulted_at = 0.0
+def _generate_until_failure(driver: PipelineGenerator, prompt: list[int], fault: Any) -> int:
+    """Run a long generation, apply `fault` after 3 tokens and expect `HopError`: how many tokens
+    still came after the fault."""
+    count = 0
     with pytest.raises(HopError):
         for count, _ in enumerate(driver.generate(prompt, max_tokens=100_000), start=1):
             if count == 3:
                 fault()
-                faulted_at = time.monotonic()
-            assert count < 100_000
-    assert faulted_at, "the fault was never applied"
-    return time.monotonic() - faulted_at
+    assert count >= 3, "the generation failed before the fault"
+    return count - 3
 
 
-def test_a_killed_middle_stage_is_an_error_within_seconds(six_layers: Path) -> None:
+def _why_ring_broke(capfd: pytest.CaptureFixture[str], stage: StageProcess) -> str:
+    """What `stage` logs when its ring breaks (stages write their log to the stderr they inherit)."""
+    said = f"stage[{stage.start},{stage.end}): ring broken: "
+    err = ""
+
+    def reason() -> str:
+        nonlocal err
+        err += capfd.readouterr().err
+        return next((line.split(said, 1)[1] for line in err.splitlines() if said in line), "")
+
+    return wait_until(reason, 30, f"{said!r} logged")
+
+
+def test_a_killed_middle_stage_is_an_error(six_layers: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The driver raises `HopError` and no token comes after the kill; the stage after the dead one
+    saw its link close (not the hop timeout's silence)."""
     with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT) as (driver, stages):
         middle = stages[0].process
-        elapsed = _generate_until_failure(
+        after = _generate_until_failure(
             driver, _prompt(six_layers), lambda: middle.send_signal(signal.SIGKILL)
         )
-        assert elapsed < 5.0
+        assert after == 0
+        assert _why_ring_broke(capfd, stages[-1]) == "previous stage closed the link"
 
 
-def test_a_frozen_stage_is_an_error_within_the_hop_timeout(six_layers: Path) -> None:
+def test_a_frozen_stage_is_an_error_of_the_hop_timeout(
+    six_layers: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A frozen stage keeps its links open: the stage after it ends the ring when the hop timeout
+    has passed in silence, and the driver raises `HopError`; no token comes after the freeze."""
     with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT) as (driver, stages):
         middle = stages[0].process
         try:
-            elapsed = _generate_until_failure(
+            after = _generate_until_failure(
                 driver, _prompt(six_layers), lambda: os.kill(middle.pid, signal.SIGSTOP)
             )
         finally:
             os.kill(middle.pid, signal.SIGCONT)
-        assert elapsed < FAIL_FAST_TIMEOUT + 2.0
+        assert after == 0
+        assert _why_ring_broke(capfd, stages[-1]) == SILENCE
 
 
 @pytest.mark.parametrize("tie", ["kernel", "watcher"])

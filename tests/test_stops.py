@@ -78,3 +78,20 @@ def test_character_by_character_matches_whole() -> None:
         if hit:
             break
     assert (out, hit) == ("one <END two <EN three ", True)
+
+
+@pytest.mark.parametrize(
+    ("stops", "pieces", "matched"),
+    [
+        (["abcd", "bc"], ["xa", "bcd"], "bc"),  # ends earliest wins, though "abcd" started first
+        (["END", "ND"], ["xxE", "ND yy"], "END"),  # same end: the earlier start wins
+        (["ab", "abc"], ["zab", "c"], "ab"),
+        (["stop"], ["no", " match"], None),
+    ],
+)
+def test_matched_names_the_stop_that_won(stops: list[str], pieces: list[str], matched: str | None) -> None:
+    """Claude Messages reports the stop sequence that ended the text (`stop_sequence`)."""
+    matcher = StopMatcher(stops)
+    for piece in pieces:
+        matcher.feed(piece)
+    assert matcher.matched == matched

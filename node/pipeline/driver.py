@@ -43,7 +43,7 @@ from node.pipeline.ring import Cancelled, Ring
 from node.pipeline.shard import Shard, request_sampler
 from protocol.chat import GREEDY, SamplingParams
 
-SAMPLER_FIELDS = {"temperature", "top_p", "seed"}
+SAMPLER_FIELDS = {"temperature", "top_p", "top_k", "seed"}
 """What the last stage needs of a request's `SamplingParams` (sent in its first frame)."""
 MAX_CHUNKS_IN_FLIGHT = 2
 """Prefill chunks sent but not yet acknowledged: 2 keeps the next stage busy while this one works

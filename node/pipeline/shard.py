@@ -91,24 +91,29 @@ def request_sampler(params: SamplingParams) -> Sampler:
     """One request's sampler, the same in a runner and on a pipeline's last stage.
 
     Greedy at temperature 0 (mlx-lm's one `greedy_sampler` object, so greedy rows of a batch are
-    sampled in one call). With a seed, the request draws from its own PRNG key, split once per
-    token: its tokens depend only on the seed and the log-probs, never on the batch it shares or
-    on which process samples. Without one, mlx-lm's sampler draws from MLX's global generator.
+    sampled in one call). Otherwise top-p, then top-k (mlx-lm's order), then a draw at the
+    temperature. With a seed, the request draws from its own PRNG key, split once per token: its
+    tokens depend only on the seed and the log-probs, never on the batch it shares or on which
+    process samples. Without one, it draws from MLX's global generator.
     """
-    from mlx_lm.sample_utils import apply_top_p, make_sampler
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
 
-    if params.temperature == 0 or params.seed is None:
-        sampler: Sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-        return sampler
-    key = mx.random.key(params.seed)
-    temperature, top_p = params.temperature, params.top_p
+    if params.temperature == 0:
+        greedy: Sampler = make_sampler(temp=0.0)
+        return greedy
+    key = None if params.seed is None else mx.random.key(params.seed)
+    scale, top_p, top_k = 1.0 / params.temperature, params.top_p, params.top_k
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
-        key, sub = mx.random.split(key)
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=sub)
+        if 0 < top_k < logprobs.shape[-1]:  # mlx-lm rejects k >= vocab; that k keeps every token
+            logprobs = apply_top_k(logprobs, top_k)
+        if key is None:
+            return mx.random.categorical(logprobs * scale)
+        key, sub = mx.random.split(key)
+        return mx.random.categorical(logprobs * scale, key=sub)
 
     return sample
 

@@ -33,6 +33,7 @@ from protocol.events import (
     FinishReason,
     GenerationError,
     PrefillProgress,
+    TerminalEvent,
     TextDelta,
     ToolCall,
     Usage,
@@ -91,8 +92,9 @@ class Admitted:
     max_tokens: int
 
 
-def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | GenerationError:
-    """The prompt's tokens and the generation budget, or the `invalid_request` error to answer."""
+def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | TerminalEvent:
+    """The prompt's tokens and the generation budget, or the event that already ends the request:
+    an `invalid_request` error, or for a `count_only` request the `Finish` carrying the count."""
     try:
         prompt = loaded.chat_format.prompt_tokens(request.messages, request.tools, request.tool_choice)
     except PromptError as exc:
@@ -100,6 +102,8 @@ def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | Generatio
     n_prompt = len(prompt)
     if n_prompt == 0:
         return GenerationError(error_kind="invalid_request", message="the prompt is empty", param="messages")
+    if request.count_only:
+        return Finish(reason="stop", usage=Usage(prompt_tokens=n_prompt, completion_tokens=0))
     room = loaded.context_length - n_prompt
     if room < 1:
         return _too_long(f"the prompt is {n_prompt} tokens; this model's context is {loaded.context_length}")
@@ -185,7 +189,8 @@ class RequestOutput:
         usage = Usage(
             prompt_tokens=self._n_prompt, completion_tokens=self.generated, cached_tokens=self.cached_tokens
         )
-        self._emit(Finish(reason=reason, usage=usage))
+        stop_sequence = self._stops.matched if reason == "stop" else None
+        self._emit(Finish(reason=reason, usage=usage, stop_sequence=stop_sequence))
 
     def fail(self, message: str) -> None:
         """The terminal `server_error`, for a fault on our side."""

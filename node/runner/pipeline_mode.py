@@ -19,9 +19,9 @@ from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import HopError, parse_address
 from node.pipeline.shard import load_shard
-from node.runner.engine import LoadedModel, RequestOutput, admit, loaded_model
+from node.runner.engine import Admitted, LoadedModel, RequestOutput, admit, loaded_model
 from protocol.chat import GenerateRequest
-from protocol.events import ChunkEvent, FinishReason, GenerationError
+from protocol.events import ChunkEvent, FinishReason
 from protocol.ids import RequestId
 
 log = logging.getLogger("shoal.runner")
@@ -54,7 +54,7 @@ def run_one(
         emit(rid, event)
 
     admitted = admit(loaded, request)
-    if isinstance(admitted, GenerationError):
+    if not isinstance(admitted, Admitted):
         send(admitted)
         return
     output = RequestOutput(loaded, admitted, send)

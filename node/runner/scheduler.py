@@ -116,7 +116,7 @@ class Scheduler:
         emit = functools.partial(self._emit, request.request_id)
         try:
             admitted = admit(self._loaded, request)
-            if isinstance(admitted, GenerationError):
+            if not isinstance(admitted, Admitted):
                 emit(admitted)
                 return
             output = RequestOutput(self._loaded, admitted, emit)

@@ -23,6 +23,8 @@ class StopMatcher:
         self._stops = tuple(dict.fromkeys(s for s in stops if s))
         self._held = ""
         self._hit = False
+        self.matched: str | None = None
+        """The stop sequence that was hit, once one was."""
 
     @property
     def hit(self) -> bool:
@@ -34,8 +36,9 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buffer = self._held + text
-        cut = self._first_stop(buffer)
-        if cut is not None:
+        found = self._first_stop(buffer)
+        if found is not None:
+            cut, self.matched = found
             self._hit = True
             self._held = ""
             return buffer[:cut], True
@@ -48,13 +51,14 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self._hit else held
 
-    def _first_stop(self, buffer: str) -> int | None:
-        best: tuple[int, int] | None = None  # (end, start)
+    def _first_stop(self, buffer: str) -> tuple[int, str] | None:
+        """Where the winning stop starts in `buffer`, and which one it is."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
             start = buffer.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
-        return None if best is None else best[1]
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
 
     def _possible_start(self, buffer: str) -> int:
         """Length of the longest tail of `buffer` that is a proper prefix of some stop."""

@@ -1,0 +1,17 @@
+"""Ollama's API at the root: `/api/chat`, `/api/generate`, `/api/tags`, ... (being built: issue 11)."""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from api.backend import Backend
+from api.surface import Limits
+
+
+class OllamaRoutes:
+    def __init__(self, backend: Backend, limits: Limits) -> None:
+        self._backend = backend
+        self._limits = limits
+
+    def routes(self) -> list[Route]:
+        return []

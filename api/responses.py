@@ -1,0 +1,17 @@
+"""OpenAI Responses: `POST /v1/responses` (being built: issue 11)."""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from api.backend import Backend
+from api.surface import Limits
+
+
+class ResponsesRoutes:
+    def __init__(self, backend: Backend, limits: Limits) -> None:
+        self._backend = backend
+        self._limits = limits
+
+    def routes(self) -> list[Route]:
+        return []

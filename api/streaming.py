@@ -1,0 +1,144 @@
+"""Moving the backend's events to a client: one streaming response class and one collector.
+
+Every surface hands `EventStream` an `EventEncoder` (sans-I/O: events in, bytes out) and gets the
+same behaviour: the first event is read before the status is chosen (an error there answers as a
+plain error in the surface's shape: 400, 429 or 503), quiet intervals get the surface's keep-alive
+frame, and a client that hangs up cancels the generation. `collect` does the same for answers that
+are one JSON object. Whatever ends the request leaves `Backend.open_stream`'s context, which is how
+the backend learns to cancel a generation nobody waits for any more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import trio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from api import sse
+from api.backend import Backend
+from api.errors import from_generation_error
+from api.surface import Surface
+from protocol.chat import GenerateRequest
+from protocol.events import ChunkEvent, GenerationError
+
+
+class EventEncoder(Protocol):
+    """One streamed answer in a surface's format: `start()`, then `feed()` each event until `done`."""
+
+    @property
+    def done(self) -> bool:
+        """True once the stream's last frame was returned; feed nothing more."""
+        ...
+
+    def start(self) -> bytes: ...
+
+    def feed(self, event: ChunkEvent) -> bytes: ...
+
+    def broken_off(self) -> bytes:
+        """The backend's events ended without a terminal event: close the stream with an error."""
+        ...
+
+
+BROKEN_OFF = GenerationError(error_kind="server_error", message="the generation ended without finishing")
+"""What an encoder's `broken_off` reports."""
+
+
+async def _pump(events: AsyncIterator[ChunkEvent], into: trio.MemorySendChannel[ChunkEvent]) -> None:
+    """Move the backend's events into a channel, so that waiting for one can time out safely.
+
+    Cancelling a wait on an async generator would kill it; cancelling `MemoryReceiveChannel.receive`
+    loses nothing. This lets backends hand out any async iterator.
+    """
+    async with into:
+        async for event in events:
+            await into.send(event)
+
+
+async def _receive(events: trio.MemoryReceiveChannel[ChunkEvent]) -> ChunkEvent | None:
+    try:
+        return await events.receive()
+    except trio.EndOfChannel:
+        return None
+
+
+class EventStream(Response):
+    """The ASGI response of a streamed answer, in `surface`'s format as `encoder` writes it."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        request: GenerateRequest,
+        encoder: EventEncoder,
+        *,
+        surface: Surface,
+        keepalive_s: float,
+    ) -> None:
+        self.status_code = 200
+        self.media_type = surface.media_type
+        self.init_headers(surface.stream_headers)  # no `body` attribute: no content-length
+        self._backend = backend
+        self._request = request
+        self._encoder = encoder
+        self._surface = surface
+        self._keepalive_s = keepalive_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with (
+            sse.cancel_on_disconnect(receive),
+            self._backend.open_stream(self._request) as events,
+            trio.open_nursery() as nursery,
+        ):
+            into, received = trio.open_memory_channel[ChunkEvent](0)
+            nursery.start_soon(_pump, events, into)
+            await self._respond(received, scope, receive, send)
+            nursery.cancel_scope.cancel()
+
+    async def _respond(
+        self, events: trio.MemoryReceiveChannel[ChunkEvent], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        event = await _receive(events)
+        if isinstance(event, GenerationError):
+            error = self._surface.error_response(from_generation_error(event))
+            await error(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await self._send_body(send, self._encoder.start())
+        while True:
+            frames = self._encoder.broken_off() if event is None else self._encoder.feed(event)
+            await self._send_body(send, frames)
+            if self._encoder.done:
+                break
+            event = await self._receive_or_keep_alive(events, send)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _receive_or_keep_alive(
+        self, events: trio.MemoryReceiveChannel[ChunkEvent], send: Send
+    ) -> ChunkEvent | None:
+        """The next event (None once they ended), with a keep-alive frame for every quiet interval."""
+        while True:
+            with trio.move_on_after(self._keepalive_s):
+                return await _receive(events)
+            await self._send_body(send, self._surface.keep_alive)
+
+    @staticmethod
+    async def _send_body(send: Send, frames: bytes) -> None:
+        if frames:
+            await send({"type": "http.response.body", "body": frames, "more_body": True})
+
+
+async def collect(
+    backend: Backend, request: GenerateRequest, receive: Receive, feed: Callable[[ChunkEvent], None]
+) -> bool:
+    """Run a generation to its end, handing each event to `feed`; False if the client hung up first.
+
+    Use it once the request body was read (it watches `receive` for the disconnect).
+    """
+    finished = False
+    async with sse.cancel_on_disconnect(receive), backend.open_stream(request) as events:
+        async for event in events:
+            feed(event)
+        finished = True
+    return finished
