@@ -57,6 +57,18 @@ def test_a_seeded_sampler_ignores_every_other_draw() -> None:
     assert mixed[0] != mixed[1]
 
 
+@pytest.mark.parametrize("seed", [None, 5])
+def test_top_k_draws_only_among_the_k_most_likely(seed: int | None) -> None:
+    """Anthropic's and Ollama's `top_k`; a k at or above the vocabulary keeps every token."""
+    logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(1))))
+    top3 = set(mx.argsort(-logprobs[0])[:3].tolist())
+    sampler = request_sampler(SamplingParams(temperature=5.0, top_k=3, seed=seed))
+    drawn = {cast(int, sampler(logprobs).item()) for _ in range(60)}
+    assert drawn <= top3 and len(drawn) > 1
+    everything = request_sampler(SamplingParams(temperature=5.0, top_k=64, seed=seed))
+    assert len({cast(int, everything(logprobs).item()) for _ in range(60)}) > 3
+
+
 @pytest.fixture
 def second_stage(random_model_dir: Path) -> Iterator[StageProcess]:
     """Layer 1 (of 2) of the random model, with the BLAS settings a node gives its stages."""
