@@ -13,6 +13,7 @@ from api.cluster import ClusterRoutes
 from api.errors import EXCEPTION_HANDLERS
 from api.instances import InstanceRoutes
 from api.messages import MessagesRoutes
+from api.metrics import MetricsRoutes
 from api.models import ModelRoutes
 from api.ollama import OllamaRoutes
 from api.responses import ResponsesRoutes
@@ -34,9 +35,12 @@ def create_app(
     Ollama, one generation path in four encodings. Errors answer in the shape of the surface asked
     (OpenAI's for routes no surface claims)."""
     limits = Limits(keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
+    metrics = MetricsRoutes(backend)
+    backend = metrics.backend  # every generation streams through it, so every surface is counted
     surfaces = (ChatRoutes, MessagesRoutes, ResponsesRoutes, OllamaRoutes)
     routes = [
         *(route for cls in surfaces for route in cls(backend, limits).routes()),
+        *metrics.routes(),
         *ModelRoutes(backend).routes(),
         *ClusterRoutes(backend).routes(),
         *InstanceRoutes(backend).routes(),

@@ -61,7 +61,7 @@ def test_a_seeded_sampler_ignores_every_other_draw() -> None:
 def test_top_k_draws_only_among_the_k_most_likely(seed: int | None) -> None:
     """Anthropic's and Ollama's `top_k`; a k at or above the vocabulary keeps every token."""
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(1))))
-    top3 = set(mx.argsort(-logprobs[0])[:3].tolist())
+    top3 = set(cast(list[int], mx.argsort(-logprobs[0])[:3].tolist()))
     sampler = request_sampler(SamplingParams(temperature=5.0, top_k=3, seed=seed))
     drawn = {cast(int, sampler(logprobs).item()) for _ in range(60)}
     assert drawn <= top3 and len(drawn) > 1
