@@ -24,6 +24,18 @@ class ModelCard(BaseModel):
     owned_by: str = "shoal"
     context_length: int | None = None
     """None while the model is still loading."""
+    # What the node read of the model's folder (Ollama's `/api/tags` and `/api/show` show them);
+    # None where it does not know, e.g. a model that runs only on other nodes.
+    size_bytes: int | None = None
+    """The model's files as stored."""
+    family: str | None = None
+    """The architecture: config.json's `model_type` ("llama", "qwen3", "gpt_oss")."""
+    format: str | None = None
+    """How the weights are stored: "safetensors" (an mlx-lm folder)."""
+    parameter_count: int | None = None
+    """Weights, counting a quantized matrix at its dense size."""
+    quantization: str | None = None
+    """"Q4", "Q8", "MXFP4" for quantized weights, else the weights' float type ("BF16", "F32")."""
 
 
 class Backend(Protocol):

@@ -7,16 +7,22 @@ Instance requests are forwarded to the leader.
 
 from __future__ import annotations
 
+import functools
+import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from api.backend import ModelCard
 from node.cluster import ClusterService
 from node.instances import InstanceManager
 from node.leader_control import instance_view
+from node.models.shape import FLOAT_DTYPES, read_safetensors_header
+from node.models.store import dir_size
 from node.routing import GenerationServer
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView
@@ -51,9 +57,18 @@ class NodeBackend:
         for record in self._instances.records():
             runner = self._instances.local_runner(record.model)
             context = runner.ready_info.context_length if runner and runner.ready_info else None
-            cards.setdefault(
-                record.model, ModelCard(id=record.model, created=self._created, context_length=context)
+            facts = folder_facts(runner.spec.model_path) if runner else ModelFacts()
+            card = ModelCard(
+                id=record.model,
+                created=self._created,
+                context_length=context,
+                size_bytes=facts.size_bytes,
+                family=facts.family,
+                format=facts.format,
+                parameter_count=facts.parameter_count,
+                quantization=facts.quantization,
             )
+            cards.setdefault(record.model, card)
         return list(cards.values())
 
     def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
@@ -113,6 +128,63 @@ class NodeBackend:
             "mesh": asdict(self._cluster.mesh.stats),
             "generations_for_peers": asdict(self.serving.stats) if self.serving else {},
         }
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model card says of the model's folder (see `ModelCard`); None where unreadable."""
+
+    size_bytes: int | None = None
+    family: str | None = None
+    format: str | None = None
+    parameter_count: int | None = None
+    quantization: str | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def folder_facts(folder: Path) -> ModelFacts:
+    """Read once per folder (config.json and the safetensors headers, never a tensor: a few ms), so
+    that `models()`, which every request calls, stays a dictionary lookup afterwards."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        tensors: dict[str, dict[str, Any]] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            tensors.update(read_safetensors_header(path))
+    except (OSError, ValueError):  # ModelShapeError is a ValueError
+        return ModelFacts()
+    if not isinstance(config, dict):
+        return ModelFacts()
+    quant = config.get("quantization") or config.get("quantization_config")
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    params = 0
+    floats: Counter[str] = Counter()
+    for name, info in tensors.items():
+        module, _, kind = name.rpartition(".")
+        elements = 1
+        for dim in info["shape"]:
+            elements *= int(dim)
+        if f"{module}.scales" in tensors and kind in ("scales", "biases"):
+            continue  # a quantized matrix's scales and biases are not weights of their own
+        own = quant.get(module) if isinstance(quant, dict) else None
+        module_bits = own.get("bits") if isinstance(own, dict) else bits
+        if f"{module}.scales" in tensors and isinstance(module_bits, int) and module_bits > 0:
+            elements = elements * 32 // module_bits  # uint32 words packing 32/bits weights each
+        elif info["dtype"] in FLOAT_DTYPES:
+            floats[info["dtype"]] += elements
+        params += elements
+    quantization: str | None
+    if isinstance(bits, int):
+        quantization = "MXFP4" if isinstance(quant, dict) and quant.get("mode") == "mxfp4" else f"Q{bits}"
+    else:
+        quantization = floats.most_common(1)[0][0] if floats else None
+    model_type = config.get("model_type")
+    return ModelFacts(
+        size_bytes=dir_size(folder),
+        family=model_type if isinstance(model_type, str) else None,
+        format="safetensors" if tensors else None,
+        parameter_count=params or None,
+        quantization=quantization,
+    )
 
 
 @asynccontextmanager
