@@ -99,9 +99,8 @@ class ChatEncoder:
             case ToolCall():
                 self._tool_calls += 1
                 return self._delta({"tool_calls": [_tool_call_json(event, self._tool_calls - 1)]})
-            case PrefillProgress(processed_tokens=processed, total_tokens=total):
-                progress = {"processed_tokens": processed, "total_tokens": total}
-                return sse.comment(f"prefill_progress {sse.compact_json(progress)}")
+            case PrefillProgress():
+                return sse.prefill_progress(event)
             case Finish(reason=reason, usage=usage):
                 self.done = True
                 frames = self._delta({}, finish_reason(reason, self._tool_calls > 0))
@@ -116,6 +115,9 @@ class ChatEncoder:
 
     def broken_off(self) -> bytes:
         return self.feed(BROKEN_OFF)
+
+    def keep_alive(self) -> bytes:
+        return sse.KEEP_ALIVE
 
 
 class ChatCollector:

@@ -66,10 +66,10 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
     """One named SSE event, as Anthropic sends them: the name also appears as the data's `type`."""
-    return f"event: {name}\ndata: {sse.compact_json({'type': name, **payload})}\n\n".encode()
+    return sse.named(name, {"type": name, **payload})
 
 
-ANTHROPIC = Surface("anthropic", keep_alive=_event("ping", {}), error_body=error_body)
+ANTHROPIC = Surface("anthropic", error_body=error_body)
 
 
 def stop_reason(finish: Finish, saw_tool_call: bool) -> StopReason:
@@ -213,9 +213,8 @@ class MessagesEncoder:
         match event:
             case TextDelta() | ReasoningDelta() | ToolCall():
                 return b"".join(_step_event(step) for step in self._blocks.feed(event))
-            case PrefillProgress(processed_tokens=processed, total_tokens=total):
-                progress = {"processed_tokens": processed, "total_tokens": total}
-                return sse.comment(f"prefill_progress {sse.compact_json(progress)}")
+            case PrefillProgress():
+                return sse.prefill_progress(event)
             case Finish():
                 self.done = True
                 frames = b"".join(_step_event(step) for step in self._blocks.close())
@@ -233,6 +232,9 @@ class MessagesEncoder:
 
     def broken_off(self) -> bytes:
         return self.feed(BROKEN_OFF)
+
+    def keep_alive(self) -> bytes:
+        return _event("ping", {})
 
 
 def _step_event(step: Step) -> bytes:

@@ -10,8 +10,6 @@ A model may be named with Ollama's default tag: `name:latest` is `name` (unless 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -102,11 +100,9 @@ class OllamaRoutes:
                 self._clock,
                 started_ns=started,
                 show_thinking=thinking,
-                keepalive_ns=int(self._limits.keepalive_s * 1e9),
             )
-            surface = replace(OLLAMA, keep_alive=encoder.keep_alive)
             return EventStream(
-                self._backend, generate, encoder, surface=surface, keepalive_s=self._limits.keepalive_s
+                self._backend, generate, encoder, surface=OLLAMA, keepalive_s=self._limits.keepalive_s
             )
         collector = OllamaCollector(kind, body.model, self._clock, started_ns=started, show_thinking=thinking)
         if not await collect(self._backend, generate, request.receive, collector.feed):

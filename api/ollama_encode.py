@@ -64,11 +64,8 @@ def error_body(error: ApiError) -> dict[str, Any]:
 OLLAMA = Surface(
     "ollama",
     media_type=NDJSON,
-    keep_alive=ndjson_line({"message": {"role": "assistant", "content": ""}, "response": "", "done": False}),
     error_body=error_body,
 )
-"""Each stream replaces this `keep_alive` (empty for chat and generate alike) with its encoder's,
-which names the model."""
 
 
 def rfc3339(seconds: float) -> str:
@@ -86,8 +83,6 @@ class Clock:
 
 
 SYSTEM_CLOCK = Clock()
-KEEPALIVE_NS = 10 * 10**9
-"""Reasoning left out (`think: false`) still gets a keep-alive line this often (`api.app.KEEPALIVE_S`)."""
 
 
 class Timings:
@@ -212,28 +207,21 @@ class OllamaEncoder(_Answer):
         *,
         started_ns: int,
         show_thinking: bool,
-        keepalive_ns: int = KEEPALIVE_NS,
     ) -> None:
         super().__init__(kind, model, clock, started_ns=started_ns, show_thinking=show_thinking)
         self.done = False
         """True once the last line was returned; feed nothing more."""
-        self.keep_alive = ndjson_line({**self._header(), **self._content(), "done": False})
-        """The line for a quiet stream (`Surface.keep_alive`)."""
-        self._keepalive_ns = keepalive_ns
-        self._last_line_ns = started_ns
 
     def feed(self, event: ChunkEvent) -> bytes:
         assert not self.done, "event after the end of the stream"
         now = self._see(event)
         if isinstance(event, ReasoningDelta) and not self._show_thinking:
-            # Hidden reasoning: events arrive, so `EventStream` sends no keep-alive; this does.
-            if now - self._last_line_ns < self._keepalive_ns:
-                return b""
-            line = self.keep_alive
-        else:
-            line = self._render(event, now)
-        self._last_line_ns = now
-        return line
+            return b""  # hidden reasoning: `EventStream` keeps the quiet stream alive
+        return self._render(event, now)
+
+    def keep_alive(self) -> bytes:
+        """An empty line, as the client appends: nothing (for chat and generate alike)."""
+        return self._line(self._content())
 
     def _line(self, content: dict[str, Any], **extra: Any) -> bytes:
         return ndjson_line({**self._header(), **content, "done": False, **extra})

@@ -12,7 +12,8 @@ import json
 
 from api.errors import ApiError
 from api.ollama_schema import ChatBody, GenerateBody, Message, Options
-from protocol.chat import ChatMessage, GenerateRequest, SamplingParams, ToolCallRef, ToolSpec
+from api.schemas import tool_specs
+from protocol.chat import ChatMessage, GenerateRequest, SamplingParams, ToolCallRef
 from protocol.ids import ModelId, RequestId
 
 
@@ -91,14 +92,7 @@ def chat_messages(messages: list[Message]) -> tuple[ChatMessage, ...]:
 
 def chat_request(body: ChatBody, request_id: RequestId, model: ModelId) -> GenerateRequest:
     """What the backend runs for an `/api/chat` body (with at least one message)."""
-    tools = tuple(
-        ToolSpec(
-            name=tool.function.name,
-            description=tool.function.description,
-            parameters=tool.function.parameters,
-        )
-        for tool in body.tools or ()
-    )
+    tools = tool_specs(body.tools)
     return GenerateRequest(
         request_id=request_id,
         model=model,

@@ -27,12 +27,6 @@ def _error_body(error: ApiError) -> Any:
 RESPONSES = Surface("openai-responses", error_body=_error_body)
 
 
-def prefill_comment(event: PrefillProgress) -> bytes:
-    """`: prefill_progress {"processed_tokens":N,"total_tokens":M}`, as chat completions sends it."""
-    progress = {"processed_tokens": event.processed_tokens, "total_tokens": event.total_tokens}
-    return sse.comment(f"prefill_progress {sse.compact_json(progress)}")
-
-
 class ResponsesEncoder:
     """One streamed response: `start()`, then `feed()` each event until `done`."""
 
@@ -47,7 +41,7 @@ class ResponsesEncoder:
         for event in events:
             event["sequence_number"] = self._sequence
             self._sequence += 1
-            frames += f"event: {event['type']}\n".encode() + sse.data(event)
+            frames += sse.named(event["type"], event)
         return frames
 
     def start(self) -> bytes:
@@ -56,13 +50,16 @@ class ResponsesEncoder:
     def feed(self, event: ChunkEvent) -> bytes:
         assert not self.done, "event after the end of the stream"
         if isinstance(event, PrefillProgress):
-            return prefill_comment(event)
+            return sse.prefill_progress(event)
         frames = self._frames(self._assembler.feed(event))
         self.done = self._assembler.end is not None
         return frames
 
     def broken_off(self) -> bytes:
         return self.feed(BROKEN_OFF)
+
+    def keep_alive(self) -> bytes:
+        return sse.KEEP_ALIVE
 
 
 class ResponsesCollector:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from api.errors import ApiError
 from api.responses_schema import FunctionChoice, InputItem, ResponsesRequest, join_text
+from api.schemas import resolve_tool_choice
 from protocol.chat import ChatMessage, GenerateRequest, SamplingParams, ToolCallRef, ToolSpec
 from protocol.ids import ModelId, RequestId
 
@@ -96,22 +97,9 @@ def to_messages(request: ResponsesRequest) -> tuple[ChatMessage, ...]:
 
 def _tool_choice(request: ResponsesRequest, tools: tuple[ToolSpec, ...]) -> str:
     choice = request.tool_choice
-    if choice is None or choice in ("none", "auto"):
-        return choice or "auto"
-    if not tools:
-        raise ApiError(
-            400, "tool_choice requires a non-empty 'tools' list", param="tool_choice", code="invalid_value"
-        )
-    if not isinstance(choice, FunctionChoice):  # "required"
-        return choice
-    if choice.name not in {tool.name for tool in tools}:
-        raise ApiError(
-            400,
-            f"tool_choice names function '{choice.name}', which is not in 'tools'",
-            param="tool_choice",
-            code="invalid_value",
-        )
-    return choice.name
+    if isinstance(choice, FunctionChoice):
+        return resolve_tool_choice(None, choice.name, tools)
+    return resolve_tool_choice(choice, None, tools)
 
 
 def _refuse_stateful(request: ResponsesRequest) -> None:

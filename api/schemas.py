@@ -8,6 +8,7 @@ live in `to_generate_request`, which raises `ApiError` with the exact `param`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -185,38 +186,53 @@ def _to_message(index: int, message: Message) -> ChatMessage:
     )
 
 
-def _tool_choice(request: ChatCompletionRequest, tools: tuple[ToolSpec, ...]) -> str:
-    choice = request.tool_choice
-    if choice is None or choice in ("none", "auto"):
-        return choice or "auto"
-    if not tools:
-        raise ApiError(
-            400, "tool_choice requires a non-empty 'tools' list", param="tool_choice", code="invalid_value"
-        )
-    if isinstance(choice, str):  # "required"
-        return choice
-    name = choice.function.name
-    if name not in {tool.name for tool in tools}:
-        raise ApiError(
-            400,
-            f"tool_choice names function '{name}', which is not in 'tools'",
-            param="tool_choice",
-            code="invalid_value",
-        )
-    return name
-
-
-def to_generate_request(request: ChatCompletionRequest, request_id: RequestId) -> GenerateRequest:
-    """What the backend runs for this request; raises a 400 `ApiError` for inconsistent fields."""
-    messages = tuple(_to_message(index, message) for index, message in enumerate(request.messages))
-    tools = tuple(
+def tool_specs(tools: Sequence[Tool] | None) -> tuple[ToolSpec, ...]:
+    """OpenAI-style function tools (chat completions, Ollama) as the runner takes them."""
+    return tuple(
         ToolSpec(
             name=tool.function.name,
             description=tool.function.description,
             parameters=tool.function.parameters,
         )
-        for tool in request.tools or ()
+        for tool in tools or ()
     )
+
+
+def resolve_tool_choice(
+    choice: ToolChoiceMode | None, function: str | None, tools: Sequence[ToolSpec]
+) -> str:
+    """`GenerateRequest.tool_choice` from an OpenAI-style choice: a mode, or a `function` to force.
+
+    Chat completions and Responses share these rules: forcing needs tools, and a forced function
+    must be one of them; both are a 400 on `tool_choice`.
+    """
+    if function is None and choice in (None, "none", "auto"):
+        return choice or "auto"
+    if not tools:
+        raise ApiError(
+            400, "tool_choice requires a non-empty 'tools' list", param="tool_choice", code="invalid_value"
+        )
+    if function is None:  # "required"
+        return "required"
+    if function not in {tool.name for tool in tools}:
+        raise ApiError(
+            400,
+            f"tool_choice names function '{function}', which is not in 'tools'",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return function
+
+
+def to_generate_request(request: ChatCompletionRequest, request_id: RequestId) -> GenerateRequest:
+    """What the backend runs for this request; raises a 400 `ApiError` for inconsistent fields."""
+    messages = tuple(_to_message(index, message) for index, message in enumerate(request.messages))
+    tools = tool_specs(request.tools)
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        tool_choice = resolve_tool_choice(None, choice.function.name, tools)
+    else:
+        tool_choice = resolve_tool_choice(choice, None, tools)
     params = SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
@@ -230,5 +246,5 @@ def to_generate_request(request: ChatCompletionRequest, request_id: RequestId) -
         messages=messages,
         params=params,
         tools=tools,
-        tool_choice=_tool_choice(request, tools),
+        tool_choice=tool_choice,
     )

@@ -14,6 +14,8 @@ from typing import Any
 import trio
 from starlette.types import Receive
 
+from protocol.events import PrefillProgress
+
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 MEDIA_TYPE = "text/event-stream"
 
@@ -34,6 +36,18 @@ def comment(text: str) -> bytes:
     """One SSE comment line; `text` must not contain a newline."""
     assert "\n" not in text and "\r" not in text, text
     return f": {text}\n\n".encode()
+
+
+def named(name: str, value: Any) -> bytes:
+    """One named SSE event (Anthropic's and the Responses API's frames), its data compact JSON."""
+    return f"event: {name}\n".encode() + data(value)
+
+
+def prefill_progress(event: PrefillProgress) -> bytes:
+    """`: prefill_progress {"processed_tokens":N,"total_tokens":M}`: prefill progress on every SSE
+    surface, as a comment, so that each surface's official client skips it."""
+    progress = {"processed_tokens": event.processed_tokens, "total_tokens": event.total_tokens}
+    return comment(f"prefill_progress {compact_json(progress)}")
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -2,10 +2,10 @@
 
 Every surface hands `EventStream` an `EventEncoder` (sans-I/O: events in, bytes out) and gets the
 same behaviour: the first event is read before the status is chosen (an error there answers as a
-plain error in the surface's shape: 400, 429 or 503), quiet intervals get the surface's keep-alive
-frame, and a client that hangs up cancels the generation. `collect` does the same for answers that
-are one JSON object. Whatever ends the request leaves `Backend.open_stream`'s context, which is how
-the backend learns to cancel a generation nobody waits for any more.
+plain error in the surface's shape: 400, 429 or 503), every `keepalive_s` without a byte sent gets
+the encoder's keep-alive frame, and a client that hangs up cancels the generation. `collect` does
+the same for answers that are one JSON object. Whatever ends the request leaves the context of
+`Backend.open_stream`, which is how the backend learns to cancel a generation nobody waits for.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class EventEncoder(Protocol):
 
     def broken_off(self) -> bytes:
         """The backend's events ended without a terminal event: close the stream with an error."""
+        ...
+
+    def keep_alive(self) -> bytes:
+        """A frame for a stream that sent nothing for `keepalive_s` (a long prompt being read, or
+        events the encoder leaves out), which the surface's clients skip."""
         ...
 
 
@@ -84,6 +89,7 @@ class EventStream(Response):
         self._encoder = encoder
         self._surface = surface
         self._keepalive_s = keepalive_s
+        self._last_sent = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with (
@@ -105,6 +111,7 @@ class EventStream(Response):
             await error(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._last_sent = trio.current_time()
         await self._send_body(send, self._encoder.start())
         while True:
             frames = self._encoder.broken_off() if event is None else self._encoder.feed(event)
@@ -119,14 +126,15 @@ class EventStream(Response):
     ) -> ChunkEvent | None:
         """The next event (None once they ended), with a keep-alive frame for every quiet interval."""
         while True:
-            with trio.move_on_after(self._keepalive_s):
+            with trio.move_on_at(self._last_sent + self._keepalive_s):
                 return await _receive(events)
-            await self._send_body(send, self._surface.keep_alive)
+            await self._send_body(send, self._encoder.keep_alive())
 
-    @staticmethod
-    async def _send_body(send: Send, frames: bytes) -> None:
+    async def _send_body(self, send: Send, frames: bytes) -> None:
+        """Send `frames` unless empty; the quiet interval counts from the last bytes sent."""
         if frames:
             await send({"type": "http.response.body", "body": frames, "more_body": True})
+            self._last_sent = trio.current_time()
 
 
 async def collect(

@@ -38,8 +38,6 @@ class Surface:
 
     name: str
     media_type: str = sse.MEDIA_TYPE
-    keep_alive: bytes = sse.KEEP_ALIVE
-    """Sent on a stream quiet for `keepalive_s` (a long prompt being read); its clients ignore it."""
     error_body: ErrorBody = openai_error_body
     stream_headers: Mapping[str, str] = field(default_factory=lambda: dict(sse.HEADERS))
 

@@ -17,7 +17,7 @@ import pytest
 from anthropic.types import MessageParam
 
 from api.errors import ApiError
-from api.messages_encode import ANTHROPIC, MessagesCollector, MessagesEncoder, TokenCounter, error_body
+from api.messages_encode import MessagesCollector, MessagesEncoder, TokenCounter, error_body
 from api.messages_request import to_generate_request
 from api.messages_schema import parse_count_request, parse_messages_request
 from protocol.chat import ChatMessage, ToolCallRef
@@ -120,9 +120,10 @@ def test_raw_events_come_in_anthropics_order() -> None:
 
 
 def test_ping_keep_alive_is_skipped_by_the_sdk() -> None:
-    assert ANTHROPIC.keep_alive == b'event: ping\ndata: {"type":"ping"}\n\n'
+    ping = MessagesEncoder("msg_1", "tiny", show_thinking=False).keep_alive()
+    assert ping == b'event: ping\ndata: {"type":"ping"}\n\n'
     start, rest = _stream(TOOL_TURN).split(b"\n\n", 1)
-    frames = start + b"\n\n" + ANTHROPIC.keep_alive * 2 + rest
+    frames = start + b"\n\n" + ping * 2 + rest
     events = list(
         _sdk(_sse(frames)).messages.create(model="tiny", max_tokens=50, messages=HELLO, stream=True)
     )

@@ -8,7 +8,6 @@ on trio's mock clock). The real-node checks are in tests/test_api_ollama.py.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -22,7 +21,7 @@ import trio
 import trio.testing
 
 from api.backend import Backend
-from api.ollama_encode import OLLAMA, Clock, Kind, OllamaCollector, OllamaEncoder, ndjson_line
+from api.ollama_encode import OLLAMA, Clock, Kind, OllamaCollector, OllamaEncoder
 from api.ollama_request import chat_messages
 from api.ollama_schema import ChatBody, parse_body
 from api.streaming import EventStream
@@ -155,18 +154,6 @@ def test_thinking_shown_or_left_out(kind: Kind) -> None:
         assert b"thinking" not in hidden and b"thinking" not in collected(events, kind, show_thinking=False)
 
 
-def test_hidden_reasoning_keeps_the_stream_alive() -> None:
-    """With `think: false` reasoning events still arrive (so EventStream's timer never fires) but
-    nothing goes out: the encoder sends a keep-alive line once per `keepalive_ns` of such quiet."""
-    encoder = OllamaEncoder(
-        "chat", MODEL, scripted_clock(), started_ns=-10, show_thinking=False, keepalive_ns=25
-    )
-    frames = [encoder.feed(ReasoningDelta(text="hm")) for _ in range(6)]  # read at 0, 10, ..., 50
-    assert frames == [b"", b"", encoder.keep_alive, b"", b"", encoder.keep_alive]
-    body = b"".join(frames) + encoder.feed(TextDelta(text="Red")) + encoder.feed(finish())
-    assert [chunk.message.content for chunk in chat_stream(body)] == ["", "", "Red", ""]
-
-
 def test_mid_stream_error_is_a_last_error_line_the_client_raises() -> None:
     failed = GenerationError(error_kind="server_error", message="the model runner stopped unexpectedly")
     body = encode([TextDelta(text="Red"), failed])
@@ -226,23 +213,32 @@ def test_prefill_progress_lines_parse_as_empty_chunks() -> None:
 
 
 class QuietBackend:
-    """Prefill progress at once, then `quiet_s` (trio's clock) without an event, then the answer."""
+    """Prefill progress at once, then `quiet_s` (trio's clock) without an event, or with reasoning
+    every second (which `think: false` leaves out), then the answer."""
 
-    def __init__(self, quiet_s: float) -> None:
+    def __init__(self, quiet_s: float, *, reasoning: bool) -> None:
         self.quiet_s = quiet_s
+        self.reasoning = reasoning
 
     @asynccontextmanager
     async def open_stream(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
         async def events() -> AsyncIterator[ChunkEvent]:
             yield PrefillProgress(processed_tokens=0, total_tokens=7)
-            await trio.sleep(self.quiet_s)
+            if self.reasoning:
+                for _ in range(int(self.quiet_s)):
+                    await trio.sleep(1.0)
+                    yield ReasoningDelta(text="hm")
+            else:
+                await trio.sleep(self.quiet_s)
             yield TextDelta(text="Red")
             yield finish()
 
         yield events()
 
 
-def quiet_stream(kind: Kind, quiet_s: float, keepalive_s: float) -> list[bytes]:
+def quiet_stream(
+    kind: Kind, quiet_s: float, keepalive_s: float, *, hidden_reasoning: bool = False
+) -> list[bytes]:
     """The body frames of an Ollama stream over `QuietBackend`, as `api.ollama` sets it up."""
     sent: list[bytes] = []
     request = GenerateRequest(
@@ -257,10 +253,9 @@ def quiet_stream(kind: Kind, quiet_s: float, keepalive_s: float) -> list[bytes]:
             sent.append(message["body"])
 
     async def main() -> None:
-        encoder = OllamaEncoder(kind, MODEL, Clock(), started_ns=0, show_thinking=True)
-        surface = dataclasses.replace(OLLAMA, keep_alive=encoder.keep_alive)
-        backend = cast(Backend, QuietBackend(quiet_s))
-        await EventStream(backend, request, encoder, surface=surface, keepalive_s=keepalive_s)(
+        encoder = OllamaEncoder(kind, MODEL, Clock(), started_ns=0, show_thinking=not hidden_reasoning)
+        backend = cast(Backend, QuietBackend(quiet_s, reasoning=hidden_reasoning))
+        await EventStream(backend, request, encoder, surface=OLLAMA, keepalive_s=keepalive_s)(
             {"type": "http"}, receive, send
         )
 
@@ -269,12 +264,14 @@ def quiet_stream(kind: Kind, quiet_s: float, keepalive_s: float) -> list[bytes]:
 
 
 @pytest.mark.parametrize("kind", ["chat", "generate"])
-def test_keep_alive_lines_of_a_quiet_stream_parse(kind: Kind) -> None:
-    frames = quiet_stream(kind, quiet_s=25.0, keepalive_s=10.0)
+@pytest.mark.parametrize("hidden_reasoning", [False, True], ids=["no events", "hidden reasoning"])
+def test_keep_alive_lines_of_a_quiet_stream_parse(kind: Kind, hidden_reasoning: bool) -> None:
+    """A stream that sends nothing for `keepalive_s` gets a line: while the prompt is read (no
+    events), and while reasoning that `think: false` leaves out arrives (events, nothing sent)."""
+    frames = quiet_stream(kind, quiet_s=25.0, keepalive_s=10.0, hidden_reasoning=hidden_reasoning)
     keep_alive = [frame for frame in frames if b"prefill_progress" not in frame and b'"done":false' in frame]
     assert len(keep_alive) == 3  # two while quiet (at 10 s and 20 s), and the "Red" line
-    quiet = keep_alive[0]
-    assert quiet == keep_alive[1] and json.loads(quiet)["model"] == MODEL and quiet.endswith(b"}\n")
+    assert all(json.loads(quiet)["model"] == MODEL and quiet.endswith(b"}\n") for quiet in keep_alive[:2])
     body = b"".join(frames)
     if kind == "chat":
         chunks = chat_stream(body)
@@ -282,15 +279,6 @@ def test_keep_alive_lines_of_a_quiet_stream_parse(kind: Kind) -> None:
     else:
         parts = list(client_over(body).generate(model=MODEL, prompt="hi", stream=True))
         assert [p.response for p in parts] == ["", "", "", "Red", ""] and parts[-1].done
-
-
-def test_default_keep_alive_parses_for_both_endpoints() -> None:
-    assert OLLAMA.keep_alive == ndjson_line(
-        {"message": {"role": "assistant", "content": ""}, "response": "", "done": False}
-    )
-    line = json.loads(OLLAMA.keep_alive)
-    assert ollama.ChatResponse(**line).message.content == ""
-    assert ollama.GenerateResponse(**line).response == ""
 
 
 def conversation(messages: list[dict[str, Any]]) -> Iterator[ChatMessage]:

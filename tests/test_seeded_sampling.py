@@ -57,7 +57,7 @@ def test_a_seeded_sampler_ignores_every_other_draw() -> None:
     assert mixed[0] != mixed[1]
 
 
-@pytest.mark.parametrize("seed", [None, 5])
+@pytest.mark.parametrize("seed", [None, 5, -5])
 def test_top_k_draws_only_among_the_k_most_likely(seed: int | None) -> None:
     """Anthropic's and Ollama's `top_k`; a k at or above the vocabulary keeps every token."""
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(1))))

@@ -101,7 +101,8 @@ def request_sampler(params: SamplingParams) -> Sampler:
     if params.temperature == 0:
         greedy: Sampler = make_sampler(temp=0.0)
         return greedy
-    key = None if params.seed is None else mx.random.key(params.seed)
+    # Any integer seeds (clients send negative ones); MLX keys take 0 <= seed < 2**64.
+    key = None if params.seed is None else mx.random.key(params.seed % 2**64)
     scale, top_p, top_k = 1.0 / params.temperature, params.top_p, params.top_k
 
     def sample(logprobs: mx.array) -> mx.array:
