@@ -100,6 +100,8 @@ class ClusterService:
         self.decision = Decision(None, 0, self.me, claim=False)
         self._started_at = 0.0
         self._changed = trio.Event()
+        self._pushing: set[str] = set()
+        """Peers with a direct push in flight (see `_push_to_all`)."""
 
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -186,7 +188,10 @@ class ClusterService:
             log.info("leader is %s (term %d)", decision.leader, decision.term)
         self.decision = decision
         if decision.claim:
-            await self._write(apply_decision(self.state, decision, self.me))
+            # A claim is proof of life: written with a heartbeat, it revives this node for whoever
+            # learns of it, and no node that judged it dead can outbid it a message round later.
+            claimed = apply_decision(self.state, decision, self.me)
+            await self._write(claimed.with_heartbeat(self.me, self.view.suspects()))
 
     def _notify(self) -> None:
         self._changed.set()
@@ -198,25 +203,31 @@ class ClusterService:
 
     # --- loops -------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
-        while True:
-            await trio.sleep(self.config.detector.heartbeat_interval_s)
-            state = self.state.with_profile(self.me, self._profile())
-            delta = await self._write(state.with_heartbeat(self.me, self.view.suspects()))
-            if self._clock() - self._started_at < self.config.direct_push_s:
-                await self._push_to_all(delta)
+        async with trio.open_nursery() as pushes:
+            while True:
+                await trio.sleep(self.config.detector.heartbeat_interval_s)
+                state = self.state.with_profile(self.me, self._profile())
+                delta = await self._write(state.with_heartbeat(self.me, self.view.suspects()))
+                if self._clock() - self._started_at < self.config.direct_push_s:
+                    self._push_to_all(pushes, delta)
 
-    async def _push_to_all(self, delta: ClusterState) -> None:
-        """Send a delta point to point to every connected peer, concurrently, best effort."""
+    def _push_to_all(self, pushes: trio.Nursery, delta: ClusterState) -> None:
+        """Send a delta point to point to every connected peer, best effort, in the background: a
+        heartbeat never waits on a slow or frozen peer. A peer still busy with an earlier push is
+        skipped (later heartbeats supersede this one), so at most one push per peer is open."""
         payloads = encode_delta(delta, self.mesh.config.max_request_bytes)
+        for peer_id in self.mesh.connected_peers() - self._pushing:
+            self._pushing.add(peer_id)
+            pushes.start_soon(self._push, peer_id, payloads)
 
-        async def push(peer_id: str) -> None:
-            for payload in payloads:
-                with suppress(RequestError):
+    async def _push(self, peer_id: str, payloads: list[bytes]) -> None:
+        """One push, bounded by the mesh's request timeout (a slow peer gets it late, not never)."""
+        try:
+            with suppress(RequestError):
+                for payload in payloads:
                     await self._request(peer_id, payload)
-
-        async with trio.open_nursery() as nursery:
-            for peer_id in self.mesh.connected_peers():
-                nursery.start_soon(push, peer_id)
+        finally:
+            self._pushing.discard(peer_id)
 
     async def _ticks(self) -> None:
         while True:
