@@ -17,8 +17,6 @@ from typing import Any
 
 import httpx
 
-from tests.waiting import wait_until as wait_until  # re-exported: tests/test_pipeline.py imports it here
-
 _LISTENING = re.compile(r"API listening on (http://\S+)")
 _P2P = re.compile(r"p2p listening on (/ip4/\S+)")
 _READY = re.compile(r"model (\S+) ready")

@@ -257,14 +257,15 @@ def _why_ring_broke(capfd: pytest.CaptureFixture[str], stage: StageProcess) -> s
 
 def test_a_killed_middle_stage_is_an_error(six_layers: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """The driver raises `HopError` and no token comes after the kill; the stage after the dead one
-    saw its link close (not the hop timeout's silence)."""
+    ends the ring on a closed link (its own or the driver's), without waiting out the hop timeout."""
     with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT) as (driver, stages):
         middle = stages[0].process
         after = _generate_until_failure(
             driver, _prompt(six_layers), lambda: middle.send_signal(signal.SIGKILL)
         )
         assert after == 0
-        assert _why_ring_broke(capfd, stages[-1]) == "previous stage closed the link"
+        why = _why_ring_broke(capfd, stages[-1])
+        assert "frozen or cut off" not in why, why  # a closed link, not the hop timeout's silence
 
 
 def test_a_frozen_stage_is_an_error_of_the_hop_timeout(

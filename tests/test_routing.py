@@ -38,6 +38,7 @@ from protocol.generate_wire import (
 )
 from protocol.ids import ModelId, RequestId
 from tests.meshes import config, running, wait_connected
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,15 +58,6 @@ def request(request_id: str, max_tokens: int | None = 64, content: str = PROMPT)
 async def collect(stream: AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]) -> list[ChunkEvent]:
     async with stream as events:
         return [event async for event in events]
-
-
-async def poll(predicate: Callable[[], bool], limit_s: float) -> float:
-    """Seconds until `predicate()` holds (checked every 10 ms); fails after `limit_s`."""
-    start = trio.current_time()
-    with trio.fail_after(limit_s):
-        while not predicate():
-            await trio.sleep(0.01)
-    return trio.current_time() - start
 
 
 def run(fn: Callable[[], Awaitable[None]], limit_s: float = 120) -> None:
@@ -120,12 +112,15 @@ def text_of(events: list[ChunkEvent]) -> str:
 
 
 def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Path) -> None:
-    """Same events as a local stream; early exit and cancel reach the runner; timing printed."""
+    """Same events as a local stream; early exit and cancel reach the runner (bench/ has speeds)."""
 
     async def scenario() -> None:
         async with entry_and_requester(tmp_path, random_model_dir) as (runner, entry, requester):
             server = serve_generations(entry, runner.open_stream, runner.cancel)
             remote = RemoteGenerations(requester)
+
+            def idle() -> bool:
+                return runner.health()["active_requests"] == 0
 
             # The prefix cache makes a repeated prompt's prefill differ from the first one's:
             # a warm-up puts both measured streams in the same (cached) state.
@@ -149,30 +144,17 @@ def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Pat
                 again = await collect(RemoteGenerations(other).open_stream(entry.peer_id, request("other")))
                 assert again == local
 
-            # Throughput, remote vs local (printed for the report; not asserted: 2 noisy cores).
-            for label, stream in (
-                ("local", lambda: runner.open_stream(request("speed-l", max_tokens=400))),
-                ("remote", lambda: remote.open_stream(entry.peer_id, request("speed-r", max_tokens=400))),
-            ):
-                start = trio.current_time()
-                timed = await collect(stream())
-                took = trio.current_time() - start
-                finish = timed[-1]
-                assert isinstance(finish, Finish)
-                tokens = finish.usage.completion_tokens
-                rate = tokens / took
-                print(f"{label}: {tokens} tokens, {len(timed)} events in {took:.3f} s: {rate:.0f} tok/s")
-
-            # Early exit: the runner's generation is cancelled (its request leaves the runner).
+            # Early exit: the runner's generation is cancelled (its request leaves the runner as
+            # cancelled; with no max_tokens nothing else ends it before the context is full).
             async with remote.open_stream(entry.peer_id, request("early", max_tokens=None)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         break
             assert runner.health()["active_requests"] in (0, 1)
-            idle_after = await poll(lambda: runner.health()["active_requests"] == 0, limit_s=2)
-            await poll(lambda: server.stats.active == 0, limit_s=2)
+            await wait_until_async(idle, 60, "the runner idle after the early exit")
+            assert runner.health()["cancelled"] == 1
+            await wait_until_async(lambda: server.stats.active == 0, 60, "no stream served")
             assert server.stats.requester_gone == 1
-            print(f"early exit: runner idle {idle_after * 1000:.0f} ms later")
 
             # cancel(): the stream ends with the runner's own Finish(cancelled).
             async with remote.open_stream(entry.peer_id, request("cancel-me", max_tokens=None)) as events:
@@ -183,15 +165,16 @@ def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Pat
                         assert await remote.cancel(RequestId("cancel-me"))
             assert isinstance(seen[-1], Finish) and seen[-1].reason == "cancelled"
             assert not await remote.cancel(RequestId("cancel-me"))
-            await poll(lambda: runner.health()["active_requests"] == 0, limit_s=2)
+            await wait_until_async(idle, 60, "the runner idle after the cancel")
+            assert runner.health()["cancelled"] == 2
 
-            # A node that is not connected: one error event at once, no exception, no wait.
-            start = trio.current_time()
+            # A node that is not connected: one error event, no exception, and no wait for an
+            # answer (the error is not the idle timeout's).
             nowhere = await collect(remote.open_stream(requester.peer_id, request("nowhere")))
             assert len(nowhere) == 1 and isinstance(nowhere[0], GenerationError)
             assert (nowhere[0].error_kind, nowhere[0].code) == ("server_error", UNAVAILABLE)
             assert requester.peer_id in nowhere[0].message
-            assert trio.current_time() - start < 1
+            assert "no answer" not in nowhere[0].message, nowhere[0].message
 
             # A peer that sends garbage instead of a RemoteGenerate is dropped, the server carries on.
             channel = await requester.open_channel(entry.peer_id, GENERATE_PROTOCOL)
@@ -271,9 +254,9 @@ def test_early_exits_from_a_flood_keep_the_connection(tmp_path: Path) -> None:
                         with trio.move_on_after(0.005):
                             await trio.sleep_forever()
                         break
-            with trio.fail_after(5):
+            with trio.fail_after(60):
                 assert await requester.request(entry.peer_id, b"still there") == b"still there"
-                await poll(lambda: server.stats.active == 0, limit_s=5)
+            await wait_until_async(lambda: server.stats.active == 0, 60, "no stream served")
             assert server.stats.requester_gone == 20
             assert requester.stats.auth_succeeded == 1  # the one connection all along
 
@@ -350,21 +333,20 @@ def test_dead_or_frozen_entry_node_ends_the_stream_with_an_error(
                     seen.append(event)
                     if len(seen) == 10:
                         os.kill(process.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-                        stopped = trio.current_time()
-            took = trio.current_time() - stopped
             error = seen[-1]
             assert isinstance(error, GenerationError), error
             assert (error.error_kind, error.code) == ("server_error", UNAVAILABLE)
             assert entry_id in error.message
             assert any(isinstance(e, TextDelta) for e in seen)
-            print(f"{how} entry node: error event after {took:.2f} s ({error.message})")
-            assert took < (1 if how == "killed" else 5)
+            # A dead node's connection closes at once; a frozen one's stays open and silent, and
+            # the requester's idle timeout ends the stream (before py-libp2p's ping monitor would
+            # drop the connection: `node.net.channel`).
+            silent = f"no answer for {RoutingConfig().idle_timeout_s:.0f} s"
+            assert (silent in error.message) == (how == "frozen"), error.message
 
-            # Once it is gone, a new request fails at once too (not connected, or no answer).
-            start = trio.current_time()
+            # Once it is gone, a new request fails too (not connected, or no answer).
             after = await collect(remote.open_stream(entry_id, request("after")))
             assert isinstance(after[-1], GenerationError) and after[-1].code == UNAVAILABLE
-            assert trio.current_time() - start < RoutingConfig().idle_timeout_s + 1
 
     run(scenario)
 

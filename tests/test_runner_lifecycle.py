@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import psutil
 import pytest
 
 from tests.nodes import RunningNode, start_node
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +48,20 @@ def _has_content(line: str) -> bool:
     return bool(chunk and any(c["delta"].get("content") for c in chunk.get("choices", [])))
 
 
-def _wait_idle(node: RunningNode, timeout: float) -> float:
-    """Seconds until the runner reports no active request (its own terminal event, not a guess)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if node.health()["runners"][0]["active_requests"] == 0:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"runner still busy after {timeout}s: {node.health()}")
+def _idle_runner(node: RunningNode) -> dict[str, Any]:
+    """The runner's health once it reports no active request (its own terminal event), else {}."""
+    health: dict[str, Any] = node.health()["runners"][0]
+    return health if health["active_requests"] == 0 else {}
+
+
+def _finish_reasons(lines: list[str]) -> list[str]:
+    return [
+        choice["finish_reason"]
+        for line in lines
+        if (chunk := _data(line))
+        for choice in chunk.get("choices", [])
+        if choice.get("finish_reason")
+    ]
 
 
 def test_sigkill_of_runner_mid_stream_ends_stream_with_error(node: RunningNode) -> None:
@@ -68,10 +74,7 @@ def test_sigkill_of_runner_mid_stream_ends_stream_with_error(node: RunningNode) 
         lines = r.iter_lines()
         assert any(_has_content(line) for line in lines)
         os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
         rest = [line for line in lines if line]
-        elapsed = time.monotonic() - killed
-    assert elapsed < 5
     assert rest[-1] == "data: [DONE]"
     errors = [chunk["error"] for line in rest if (chunk := _data(line)) and "error" in chunk]
     assert len(errors) == 1 and errors[0]["type"] == "server_error"
@@ -87,6 +90,8 @@ def test_sigkill_of_runner_mid_stream_ends_stream_with_error(node: RunningNode) 
 
 
 def test_cancel_endpoint_stops_generation(node: RunningNode) -> None:
+    """No max_tokens: only the cancel ends the stream before the context is full ("length")."""
+    cancelled = node.health()["runners"][0]["cancelled"]
     with httpx.stream(
         "POST", f"{node.base_url}/v1/chat/completions", json=_body(node, stream=True), timeout=10
     ) as r:
@@ -94,11 +99,11 @@ def test_cancel_endpoint_stops_generation(node: RunningNode) -> None:
         first = next(chunk for line in lines if (chunk := _data(line)))
         cancel = httpx.post(f"{node.base_url}/v1/cancel/{first['id']}", timeout=5)
         assert cancel.status_code == 200, cancel.text
-        start = time.monotonic()
         rest = [line for line in lines if line]
-        assert time.monotonic() - start < 2
     assert rest[-1] == "data: [DONE]"
-    assert _wait_idle(node, timeout=2.0) < 2.0
+    assert _finish_reasons(rest) == ["stop"]  # OpenAI has no "cancelled"
+    runner = wait_until(lambda: _idle_runner(node), 60, "the runner idle after the cancel")
+    assert runner["cancelled"] == cancelled + 1  # the runner's generation ended as cancelled
     unknown = httpx.post(f"{node.base_url}/v1/cancel/{first['id']}", timeout=5)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
 
@@ -130,12 +135,11 @@ def test_long_prompt_streams_prefill_progress_before_first_token(node: RunningNo
     assert chunks[-1].usage.prompt_tokens == total
 
 
-def test_ctrl_c_stops_node_quickly(random_model_dir: Path, tmp_path: Path) -> None:
+def test_ctrl_c_stops_node_and_its_runner(random_model_dir: Path, tmp_path: Path) -> None:
+    """SIGINT: the node exits 0 by itself (`stop` kills it only after the timeout), its runner gone."""
     other = start_node(data_dir=tmp_path, model=str(random_model_dir))
     runner_pid = other.runner_pid()
-    start = time.monotonic()
-    assert other.stop(timeout=5) == 0
-    assert time.monotonic() - start < 2.5
+    assert other.stop(timeout=60) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(runner_pid, 0)
 
