@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench clean
+.PHONY: install run test lint typecheck pytest bench clean chromium
 
 # The native parts (native/: the kernels extension and the BLAS shim) are built by the package
 # install itself (setup.py), into node/native/; without a compiler it installs without them and
@@ -33,8 +33,14 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+pytest: install chromium
 	$(BIN)/pytest
+
+# The dashboard's browser tests drive Debian's Chromium through Playwright (never `playwright install`,
+# which downloads a browser of its own). Installed only when missing; CI runs as root.
+chromium:
+	test -x /usr/bin/chromium || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
 
 test: lint typecheck pytest
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from protocol.chat import GenerateRequest
-from protocol.cluster_view import ClusterView, InstanceView
+from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
 from protocol.ids import ModelId, RequestId
@@ -77,4 +77,9 @@ class Backend(Protocol):
 
     def health(self) -> dict[str, Any]:
         """A JSON-ready picture of the node's runners for `GET /health`."""
+        ...
+
+    async def local_models(self) -> Sequence[ModelFileView]:
+        """The models in this node's data dir, which it can place by name (the dashboard lists them);
+        async because it walks the folders."""
         ...

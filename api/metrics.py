@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from api.backend import Backend, ModelCard
 from protocol.chat import GenerateRequest
-from protocol.cluster_view import ClusterView, InstanceView
+from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
 from protocol.ids import RequestId
@@ -152,6 +152,9 @@ class MeteredBackend:
 
     def health(self) -> dict[str, Any]:
         return self._backend.health()
+
+    async def local_models(self) -> Sequence[ModelFileView]:
+        return await self._backend.local_models()
 
 
 class NodeCollector(Collector):

@@ -17,15 +17,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import trio
+
 from api.backend import ModelCard
 from node.cluster import ClusterService
 from node.instances import InstanceManager
 from node.leader_control import instance_view
+from node.models import list_local_models
 from node.models.shape import FLOAT_DTYPES, read_safetensors_header
 from node.models.store import dir_size
 from node.routing import GenerationServer
 from protocol.chat import GenerateRequest
-from protocol.cluster_view import ClusterView, InstanceView
+from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, GenerationError
 from protocol.ids import RequestId
@@ -120,6 +123,10 @@ class NodeBackend:
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self._instances.delete_instance(instance_id)
+
+    async def local_models(self) -> Sequence[ModelFileView]:
+        found = await trio.to_thread.run_sync(list_local_models, self._instances.data_dir)
+        return [ModelFileView(name=m.name, model_type=m.model_type, size_bytes=m.size_bytes) for m in found]
 
     def health(self) -> dict[str, Any]:
         return {
