@@ -6,16 +6,22 @@ Serve it with hypercorn's trio worker; the handlers use trio directly.
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 
+from api.auth import ApiKeyGuard
 from api.backend import Backend
 from api.chat import ChatRoutes
 from api.cluster import ClusterRoutes
+from api.dashboard import DashboardRoutes
 from api.errors import EXCEPTION_HANDLERS
+from api.files import FileRoutes, FileSource
 from api.instances import InstanceRoutes
 from api.messages import MessagesRoutes
+from api.messages_encode import ANTHROPIC
 from api.metrics import MetricsRoutes
 from api.models import ModelRoutes
 from api.ollama import OllamaRoutes
+from api.ollama_encode import OLLAMA
 from api.responses import ResponsesRoutes
 from api.surface import Limits
 
@@ -29,11 +35,18 @@ the runner wire's frame limit (`protocol.runner_wire.MAX_FRAME_BYTES`, 16 MiB) m
 
 
 def create_app(
-    backend: Backend, *, keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES
+    backend: Backend,
+    *,
+    keepalive_s: float = KEEPALIVE_S,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    files: FileSource | None = None,
 ) -> Starlette:
     """The HTTP API over `backend`: OpenAI chat completions, Claude Messages, OpenAI Responses and
     Ollama, one generation path in four encodings. Errors answer in the shape of the surface asked
-    (OpenAI's for routes no surface claims)."""
+    (OpenAI's for routes no surface claims). With `api_key`, every route but the open ones
+    (`api.auth.OPEN_ROUTES`) needs it. With `files`, peers download model files here (`api.files`:
+    signed with the cluster key, which is why they need no API key)."""
     limits = Limits(keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
     metrics = MetricsRoutes(backend)
     backend = metrics.backend  # every generation streams through it, so every surface is counted
@@ -44,5 +57,8 @@ def create_app(
         *ModelRoutes(backend).routes(),
         *ClusterRoutes(backend).routes(),
         *InstanceRoutes(backend).routes(),
+        *DashboardRoutes(backend).routes(),
+        *(FileRoutes(files).routes() if files is not None else []),
     ]
-    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    guard = Middleware(ApiKeyGuard, key=api_key, surfaces=(ANTHROPIC, OLLAMA))
+    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=[guard])

@@ -11,6 +11,7 @@ from starlette.routing import Route
 
 from api.backend import Backend
 from api.errors import ApiError, from_validation
+from api.surface import read_body
 from protocol.cluster_view import InstanceView
 from protocol.control_wire import (
     Deleted,
@@ -22,6 +23,9 @@ from protocol.control_wire import (
     PlaceOutcome,
     Unavailable,
 )
+
+MAX_PLACE_BODY_BYTES = 64 * 1024
+"""A placement request is a model reference and a node count: well under 1 KiB."""
 
 
 class PlaceBody(BaseModel):
@@ -80,7 +84,7 @@ class InstanceRoutes:
 
     async def create(self, request: Request) -> Response:
         try:
-            body = PlaceBody.model_validate_json(await request.body())
+            body = PlaceBody.model_validate_json(await read_body(request, MAX_PLACE_BODY_BYTES))
         except ValidationError as exc:
             raise from_validation(exc) from None
         return outcome_response(await self._backend.place_instance(body.model, body.nodes, preview=False))

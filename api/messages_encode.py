@@ -69,7 +69,7 @@ def _event(name: str, payload: dict[str, Any]) -> bytes:
     return sse.named(name, {"type": name, **payload})
 
 
-ANTHROPIC = Surface("anthropic", error_body=error_body)
+ANTHROPIC = Surface("anthropic", error_body=error_body, paths=("/v1/messages",))
 
 
 def stop_reason(finish: Finish, saw_tool_call: bool) -> StopReason:

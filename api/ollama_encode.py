@@ -61,11 +61,7 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {"error": error.message}
 
 
-OLLAMA = Surface(
-    "ollama",
-    media_type=NDJSON,
-    error_body=error_body,
-)
+OLLAMA = Surface("ollama", media_type=NDJSON, error_body=error_body, paths=("/api/",))
 
 
 def rfc3339(seconds: float) -> str:

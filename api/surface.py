@@ -9,7 +9,7 @@ the frame a quiet stream gets, and the shape of its error bodies. `surface_route
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,9 @@ class Surface:
     name: str
     media_type: str = sse.MEDIA_TYPE
     error_body: ErrorBody = openai_error_body
+    paths: tuple[str, ...] = ()
+    """The path prefixes it owns, so that errors raised before a handler (a missing API key) answer
+    in its shape; OpenAI's is the default for every other path."""
     stream_headers: Mapping[str, str] = field(default_factory=lambda: dict(sse.HEADERS))
 
     def error_response(self, error: ApiError) -> Response:
@@ -46,6 +49,11 @@ class Surface:
 
 
 OPENAI = Surface("openai")
+
+
+def surface_for(path: str, surfaces: Sequence[Surface]) -> Surface:
+    """The surface whose `paths` hold `path`; OpenAI's when none does."""
+    return next((s for s in surfaces if any(path.startswith(p) for p in s.paths)), OPENAI)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.net.config import MeshConfig
+from node.net.config import MeshConfig, derive_secret
 from protocol.runner_wire import RunnerSettings
 
+API_KEY_ENV = "SHOAL_API_KEY"
 DEFAULT_MODEL = "smollm2-135m"
 """The built-in model: small enough for any laptop, real enough to answer questions."""
 
@@ -35,6 +36,12 @@ class NodeConfig:
     """0 picks a free port (the log says which)."""
     keepalive_s: float = 10.0
     """An SSE comment goes out after this long without events, so proxies keep the stream open."""
+    api_key: str | None = None
+    """None: the API is open to whoever reaches it (zero configuration on a home network; `shoal run`
+    warns when it binds beyond loopback). Set: every route but /health and the page needs it."""
+    max_model_bytes: int | None = None
+    """A cap on the data dir's model store (imports, downloads, files from peers); past it the least
+    recently used models not in use are evicted. None: the disk is the limit."""
     runner: RunnerSettings = field(default_factory=RunnerSettings)
     """How every runner of this node runs its model (batch size, queue, prefix cache, fast path)."""
 
@@ -60,6 +67,23 @@ class Flag:
 
 
 _PORT = (lambda port: 0 <= port <= 65535, "must be between 0 and 65535")
+_SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """`20G`, `500M`, `1.5T` or plain bytes (decimal units, as disks are sold)."""
+    number, unit = text.strip().upper().removesuffix("B"), ""
+    if number and number[-1] in _SIZE_UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 20G, 500M)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return size
+
+
 _POSITIVE_SECONDS = (lambda seconds: seconds > 0, "must be a positive number of seconds")
 
 RUN_FLAGS = (
@@ -72,6 +96,12 @@ RUN_FLAGS = (
         "data_dir",
         "where models and state live (default $SHOAL_DATA_DIR or ~/.local/share/shoal)",
         parse=Path,
+    ),
+    Flag(
+        "--max-model-bytes",
+        "max_model_bytes",
+        "cap on the model store, e.g. 50G; least recently used models are evicted (default: none)",
+        parse=parse_size,
     ),
     Flag(
         "--prefill-step-size",
@@ -119,6 +149,8 @@ def _default(setting: str) -> Any:
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=None, help=f"key the HTTP API requires (default ${API_KEY_ENV})")
+    parser.add_argument("--api-key-file", type=Path, default=None, help="read the API key from a file")
     for flag in RUN_FLAGS:
         if flag.switch:
             parser.add_argument(flag.name, action="store_true", help=flag.help)
@@ -140,5 +172,6 @@ def node_config(args: argparse.Namespace, *, data_dir: Path, mesh: MeshConfig) -
             raise ValueError(f"{flag.name} {flag.check[1]}, got {value}")
         owner, _, name = flag.setting.rpartition(".")
         (runner if owner == "runner" else node)[name] = flag.value if flag.switch else value
-    node.update(data_dir=data_dir, mesh=mesh)
+    key = derive_secret(args.api_key, args.api_key_file, env=API_KEY_ENV, what="API key")
+    node.update(data_dir=data_dir, mesh=mesh, api_key=None if key is None else key.decode())
     return NodeConfig(**node, runner=RunnerSettings(**runner))

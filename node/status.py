@@ -16,18 +16,23 @@ from protocol.cluster_view import ClusterView, MemberView
 
 DEFAULT_API = "http://127.0.0.1:52415"
 _STATUS_STYLE = {"unknown": "dim", "alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
+_TRANSFER_STYLE = {"fetching": "yellow", "done": "green", "failed": "red"}
 
 
 class StatusError(Exception):
     """No usable answer from the node: the message says what to check."""
 
 
-def fetch_cluster(api: str, timeout: float = 5.0) -> ClusterView:
+def fetch_cluster(api: str, api_key: str | None = None, timeout: float = 5.0) -> ClusterView:
     url = f"{api.rstrip('/')}/v1/cluster"
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(url, timeout=timeout)
+        response = httpx.get(url, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise StatusError(f"no Shoal node answers at {api} ({exc}); is `shoal run` running there?") from exc
+    if response.status_code == 401:
+        hint = "that API key is wrong" if api_key else "it needs an API key: --api-key or $SHOAL_API_KEY"
+        raise StatusError(f"{api} refused the request: {hint}")
     if response.status_code != 200:
         raise StatusError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
     try:
@@ -68,22 +73,47 @@ def render(view: ClusterView) -> Group:
         instances.add_column(column)
     for instance in view.instances:
         stages = ", ".join(f"{s.node_id[-8:]}: {s.start_layer}-{s.end_layer}" for s in instance.stages)
+        if instance.state is not None:  # its files are moving, or their transfer failed
+            stages += f" ({instance.state}{': ' + instance.error if instance.error else ''})"
         instances.add_row(instance.id, instance.model, stages)
     if not view.instances:
         instances.add_row("-", "none", "")
-    return Group(members, instances)
+    transfers = _transfers(view)
+    return Group(members, instances, *([transfers] if transfers is not None else []))
 
 
-def show_status(api: str, *, as_json: bool, watch: bool, interval: float = 1.0) -> None:
+def _transfers(view: ClusterView) -> Table | None:
+    """Model files moving to each node (and the latest finished moves); None when there are none."""
+    rows = [(member.id, t) for member in view.members for t in member.transfers]
+    if not rows:
+        return None
+    table = Table(title="model files")
+    for column in ("node", "model", "from", "state", "done", "rate", "files"):
+        table.add_column(column)
+    for node, t in rows:
+        total = f"{t.bytes_total / 1e6:.0f}" if t.bytes_total else "?"
+        done = f"{t.fraction:.0%} ({t.bytes_done / 1e6:.0f} / {total} MB)"
+        state = Text(t.state, style=_TRANSFER_STYLE[t.state])
+        if t.error:
+            state.append(f": {t.error}")
+        rate = f"{t.rate_bps / 1e6:.1f} MB/s" if t.state == "fetching" else ""
+        source = f"{t.source} ({t.peers})" if t.source == "peers" and t.state == "fetching" else t.source
+        table.add_row(node[-8:], t.model, source, state, done, rate, f"{t.files_done}/{t.files_total}")
+    return table
+
+
+def show_status(
+    api: str, *, api_key: str | None = None, as_json: bool, watch: bool, interval: float = 1.0
+) -> None:
     """Print the cluster once, or refresh it in place until Ctrl-C with `watch`."""
     console = Console()
     if as_json:
-        print(json.dumps(fetch_cluster(api).model_dump(mode="json"), indent=2))
+        print(json.dumps(fetch_cluster(api, api_key).model_dump(mode="json"), indent=2))
         return
     if not watch:
-        console.print(render(fetch_cluster(api)))
+        console.print(render(fetch_cluster(api, api_key)))
         return
-    with Live(render(fetch_cluster(api)), console=console, auto_refresh=False) as live:
+    with Live(render(fetch_cluster(api, api_key)), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(interval)
-            live.update(render(fetch_cluster(api)), refresh=True)
+            live.update(render(fetch_cluster(api, api_key)), refresh=True)

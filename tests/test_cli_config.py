@@ -35,6 +35,7 @@ AS_USERS_SEE_THEM = {
     "api_host": "0.0.0.0",
     "api_port": 52415,
     "data_dir": None,
+    "max_model_bytes": None,
     "prefill_step_size": 512,
     "max_concurrent": 8,
     "max_queued": 32,
@@ -146,3 +147,41 @@ def test_a_runner_loads_what_its_first_frame_says() -> None:
 def test_a_runner_whose_first_frame_is_no_spec_exits_without_loading_anything() -> None:
     answer = _first_answer(encode_frame(Cancel(request_id=RequestId("r"))))
     assert answer == "exited with 2 before it was ready"
+
+
+def test_the_api_key_comes_from_the_flag_else_the_file_else_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("SHOAL_API_KEY", "from-env")
+    assert _config("--api-key", "from-flag", "--api-key-file", str(key_file)).api_key == "from-flag"
+    assert _config("--api-key-file", str(key_file)).api_key == "from-file"
+    assert _config().api_key == "from-env"
+    monkeypatch.delenv("SHOAL_API_KEY")
+    assert _config().api_key is None
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        _config("--api-key-file", str(key_file))
+
+
+@pytest.mark.parametrize("ref", ["/no/such/model", "missing.gguf", "no-such-name"])
+def test_a_model_that_cannot_be_found_stops_the_node_at_once(ref: str, tmp_path: Path) -> None:
+    """`shoal run --model /typo` exits 2 with the resolver's message, before it starts anything."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "node.cli", "run", "--model", ref, "--data-dir", str(tmp_path)]
+    command += ["--api-host", "127.0.0.1", "--api-port", "0", "--p2p-host", "127.0.0.1", "--no-mdns"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert ref in done.stderr and "API listening" not in done.stderr
+
+
+def test_the_model_store_cap_reads_sizes_as_disks_are_sold() -> None:
+    assert _config("--max-model-bytes", "20G").max_model_bytes == 20 * 10**9
+    assert _config("--max-model-bytes", "1.5T").max_model_bytes == 1_500 * 10**9
+    assert _config("--max-model-bytes", "4096").max_model_bytes == 4096
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(SystemExit):
+            _config("--max-model-bytes", bad)

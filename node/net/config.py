@@ -97,20 +97,25 @@ class MeshConfig:
     without the monitor py-libp2p never notices it."""
 
 
-def derive_secret(flag: str | None, secret_file: Path | None) -> bytes | None:
-    """The cluster secret from the flag, else the file, else `$SHOAL_CLUSTER_SECRET`, else None."""
+def derive_secret(
+    flag: str | None, secret_file: Path | None, *, env: str = SECRET_ENV, what: str = "cluster secret"
+) -> bytes | None:
+    """A secret (the cluster's, or the API key) from the flag, else the file, else `$env`, else None.
+
+    A file's secret is its content without surrounding whitespace (a trailing newline is usual).
+    """
     if flag:
         return flag.encode()
     if secret_file is not None:
         data = secret_file.read_bytes()[: MAX_SECRET_FILE_BYTES + 1]
         if len(data) > MAX_SECRET_FILE_BYTES:
-            raise ValueError(f"{secret_file}: a cluster secret file must be under 64 KiB")
+            raise ValueError(f"{secret_file}: a {what} file must be under 64 KiB")
         secret = data.strip()
         if not secret:
             raise ValueError(f"{secret_file} is empty")
         return secret
-    env = os.environ.get(SECRET_ENV)
-    return env.encode() if env else None
+    value = os.environ.get(env)
+    return value.encode() if value else None
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
