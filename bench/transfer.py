@@ -17,6 +17,16 @@ Figures are MB/s (1 MB = 10^6 bytes), the median of `--repeats` runs, with the p
 writeback would otherwise dominate 256 MB writes on a small VM). The SHA-256 rate of the file is
 printed for reference. On a 2-core machine each end gets about one core: the figures measure
 CPU per byte, which is what decides between the transports.
+
+    .venv/bin/python bench/transfer.py --first-token [--shards]
+
+instead times a cold start through the product: three `shoal run --no-model` nodes on loopback,
+a random-weight llama of ~1 GB (float32, 14 layers) that only node A has (B and C run in mount
+namespaces where its folder is empty: needs root), `POST /v1/instances {"nodes": 3}` to A, then
+one streamed chat request as soon as the entry's runner is ready; printed: the time from the POST
+to the first token, and when the POST answered (A hashed the folder), when B's and C's files were
+all verified, when the runner was ready. `--shards` saves the model with one shard per layer, so
+that each stage fetches only its own.
 """
 
 from __future__ import annotations
@@ -33,12 +43,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from api.files import file_url_path
-from bench.common import loadavg
+from bench.common import builtin_model, chat_body, loadavg, stream_chat
 from node.files import Fetcher, FileServer, HashCache, Peer, folder_manifest
 from node.files.hashing import file_sha256
 from node.files.signing import sign
@@ -47,6 +58,8 @@ from protocol.manifest import Manifest
 from tests.file_peers import CLUSTER, KEY, SECRET, file_app, serving
 from tests.meshes import config as mesh_config
 from tests.meshes import running
+from tests.model_factory import make_random_model, sharded_copy
+from tests.nodes import RunningNode, hidden_from, start_node
 from tests.waiting import wait_until, wait_until_async
 
 BLOB = "blob.bin"
@@ -188,12 +201,97 @@ def main() -> None:
     shm = Path("/dev/shm")
     where = "where the files go (default: /dev/shm, so that disk writeback stays out of the figures)"
     parser.add_argument("--dir", type=Path, default=shm if shm.is_dir() else None, help=where)
+    parser.add_argument("--first-token", action="store_true", help="time a 1 GB model's cold start instead")
+    parser.add_argument("--shards", action="store_true", help="with --first-token: one shard per layer")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="shoal-transfer-", dir=args.dir))
     try:
-        run_all(root, args.mb * 1_000_000, args.repeats)
+        if args.first_token:
+            first_token(root, shards=args.shards)
+        else:
+            run_all(root, args.mb * 1_000_000, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def first_token(root: Path, *, shards: bool) -> None:
+    """See the module docstring: POST /v1/instances -> first token, a 1 GB model only A has."""
+    hidden = root / "only-a"
+    model = make_random_model(
+        hidden / "random-1gb",
+        tokenizer_from=builtin_model(),
+        num_layers=14,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_heads=16,
+        num_kv_heads=4,
+    )
+    if shards:
+        model = sharded_copy(model, hidden / "random-1gb-sharded")
+    size = sum(f.stat().st_size for f in model.iterdir())
+    offline = {"HF_HUB_OFFLINE": "1"}
+    nodes = [start_node(data_dir=root / "a", model=None, env=offline)]
+    try:
+        for name in ("b", "c"):
+            peer = ("--peer", nodes[0].p2p_addr)
+            nodes.append(
+                start_node(*peer, data_dir=root / name, model=None, env=offline, prefix=hidden_from(hidden))
+            )
+        wait_until(lambda: all(_alive(n) == 3 for n in nodes), 30, "three nodes alive")
+        files = len(list(model.iterdir()))
+        print(f"model: {size / 1e9:.2f} GB in {files} files, on node A only; load {loadavg()}")
+        start = time.perf_counter()
+        created = httpx.post(
+            f"{nodes[0].base_url}/v1/instances", json={"model": str(model), "nodes": 3}, timeout=RUN_TIMEOUT_S
+        )
+        answered = time.perf_counter()
+        if created.status_code != 201:
+            raise RuntimeError(f"placing the model: {created.text}")
+        instance = created.json()
+        marks = _cold_start(nodes, instance)
+        marks = {"POST answered (A hashed the model)": answered, **marks}
+        for what, at in marks.items():
+            print(f"{what:48} {at - start:7.2f} s")
+        layers = ", ".join(f"[{s['start_layer']},{s['end_layer']})" for s in instance["stages"])
+        print(f"stages {layers}; load {loadavg()}; what B and C logged of their transfers:")
+        for name, node in zip("BC", nodes[1:], strict=True):
+            for line in node.log:
+                if "shoal.files:" in line and ("fetching" in line or "verified" in line):
+                    print(f"  {name}: {line.strip()}")
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _alive(node: RunningNode) -> int:
+    return sum(m["status"] == "alive" for m in node.cluster()["members"])
+
+
+def _cold_start(nodes: list[RunningNode], instance: dict[str, object]) -> dict[str, float]:
+    """When the other stage nodes' files were all verified, the runner ready, the first token came."""
+    stages = instance["stages"]
+    assert isinstance(stages, list)
+    entry = next(n for n in nodes if n.node_id == stages[0]["node_id"])
+    fetching = {s["node_id"] for s in stages} - {nodes[0].node_id}
+    marks: dict[str, float] = {}
+
+    def progressed() -> bool:
+        mine = (instance["manifest_id"], "done")
+        members = nodes[0].cluster()["members"]
+        done = {
+            m["id"] for m in members if any((t["manifest_id"], t["state"]) == mine for t in m["transfers"])
+        }
+        if fetching <= done:
+            marks.setdefault("files on B and C, verified", time.perf_counter())
+        return any(r["state"] == "ready" for r in entry.health()["runners"])
+
+    wait_until(progressed, RUN_TIMEOUT_S, "the entry's runner ready", interval=0.05)
+    marks["runner ready"] = time.perf_counter()
+    with httpx.Client(timeout=RUN_TIMEOUT_S) as client:
+        body = chat_body(str(instance["model"]), [{"role": "user", "content": "Hello"}], 4)
+        stream = stream_chat(client, entry.base_url, body)
+    marks["first token (POST -> first token)"] = stream.start + stream.ttft
+    return marks
 
 
 def run_all(root: Path, size: int, repeats: int) -> None:

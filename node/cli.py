@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,8 +13,14 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from node.config import add_run_flags, node_config
-from node.models import ModelResolveError, default_data_dir, ensure_builtin_model, list_local_models
+from node.config import API_KEY_ENV, add_run_flags, node_config
+from node.models import (
+    ModelResolveError,
+    default_data_dir,
+    ensure_builtin_model,
+    list_local_models,
+    locate_model,
+)
 from node.net.config import add_mesh_arguments, mesh_config_from_args
 
 
@@ -31,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show the cluster as one node sees it")
     status.add_argument("--api", default=None, help="a node's API URL (default http://127.0.0.1:52415)")
+    status.add_argument("--api-key", default=None, help="the node's API key (default $SHOAL_API_KEY)")
     status.add_argument("--json", action="store_true", help="print the raw JSON, for scripts")
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
 
@@ -49,6 +57,7 @@ def _setup_logging(verbose: bool) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per model-file request otherwise
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -58,6 +67,8 @@ def _run(args: argparse.Namespace) -> int:
     data_dir = args.data_dir or default_data_dir()
     try:
         config = node_config(args, data_dir=data_dir, mesh=mesh_config_from_args(args, data_dir))
+        if config.model is not None:
+            locate_model(config.model, data_dir)  # a typo fails now, not after the node started
     except (ValueError, OSError) as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
@@ -87,8 +98,9 @@ def _first_leaf(error: BaseException) -> BaseException:
 def _status(args: argparse.Namespace) -> int:
     from node.status import DEFAULT_API, StatusError, show_status
 
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
-        show_status(args.api or DEFAULT_API, as_json=args.json, watch=args.watch)
+        show_status(args.api or DEFAULT_API, api_key=api_key, as_json=args.json, watch=args.watch)
     except StatusError as exc:
         print(f"shoal status: {exc}", file=sys.stderr)
         return 1

@@ -30,8 +30,8 @@ from protocol.cluster_codec import (
     encode_digest_reply,
     encode_message,
 )
-from protocol.cluster_records import InstanceRecord, NodeProfile
-from protocol.cluster_view import ClusterView, InstanceView, MemberView, StageView
+from protocol.cluster_records import InstanceRecord, NodeHoldings, NodeProfile, NodeTransfers
+from protocol.cluster_view import ClusterView, MemberView
 from protocol.election import Decision, ElectionConfig, apply_decision, decide_leader, may_claim
 from protocol.ids import InstanceId, NodeId
 from protocol.membership import (
@@ -44,6 +44,7 @@ from protocol.membership import (
     reconnected,
     tick,
 )
+from protocol.model_files import holding_views, instance_view
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -88,17 +89,22 @@ class ClusterService:
         config: ClusterConfig,
         *,
         clock: Callable[[], float] = trio.current_time,
+        files: Callable[[], tuple[NodeHoldings, NodeTransfers]] | None = None,
     ) -> None:
         self.mesh = mesh
         self.me = NodeId(mesh.peer_id)
         self.config = config
         self.stats = ClusterStats()
         self._profile = profile
+        self._files = files
+        """The model files this node serves and those moving to it (`ClusterFiles.records`), written
+        with each heartbeat when they changed."""
         self._clock = clock
         self.state = ClusterState.empty()
         self.view = View.empty()
         self.decision = Decision(None, 0, self.me, claim=False)
         self._started_at = 0.0
+        self._running = False
         self._changed = trio.Event()
         self._pushing: set[str] = set()
         """Peers with a direct push in flight (see `_push_to_all`)."""
@@ -106,8 +112,9 @@ class ClusterService:
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._started_at = self._clock()
+        self._running = True
         self.mesh.set_request_handler(self._answer)
-        await self._write(self.state.with_profile(self.me, self._profile()).with_heartbeat(self.me))
+        await self._write(self._own_records().with_heartbeat(self.me))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats)
             nursery.start_soon(self._ticks)
@@ -125,6 +132,12 @@ class ClusterService:
     async def wait_changed(self) -> None:
         """Returns at the next change of the state or of the view (for tests and `--watch`-like loops)."""
         await self._changed.wait()
+
+    async def publish_own(self) -> None:
+        """Write and gossip this node's own records now if they changed (e.g. a model it just began
+        to serve: peers placed on it should find it at once, not at the next heartbeat)."""
+        if self._running:
+            await self._write(self._own_records())
 
     # --- writing and merging -----------------------------------------------------------------
     async def _write(self, new_state: ClusterState) -> ClusterState:
@@ -159,6 +172,14 @@ class ClusterService:
         await self._elect()
         self._notify()
         await self._publish(news)
+
+    def _own_records(self) -> ClusterState:
+        """The state with this node's profile and files records as they are now (no-ops if same)."""
+        state = self.state.with_profile(self.me, self._profile())
+        if self._files is not None:
+            holdings, transfers = self._files()
+            state = state.with_holdings(self.me, holdings).with_transfers(self.me, transfers)
+        return state
 
     def _connect_to_members(self) -> None:
         """Dial every member the state names that the mesh doesn't know yet: a full mesh, so that the
@@ -206,7 +227,7 @@ class ClusterService:
         async with trio.open_nursery() as pushes:
             while True:
                 await trio.sleep(self.config.detector.heartbeat_interval_s)
-                state = self.state.with_profile(self.me, self._profile())
+                state = self._own_records()
                 delta = await self._write(state.with_heartbeat(self.me, self.view.suspects()))
                 if self._clock() - self._started_at < self.config.direct_push_s:
                     self._push_to_all(pushes, delta)
@@ -321,6 +342,7 @@ class ClusterService:
     def snapshot(self) -> ClusterView:
         now = self._clock()
         leader = self.decision.leader
+        holdings, transfers = self.state.holdings(), self.state.transfers()
         members = []
         for node, profile in sorted(self.state.profiles().items()):
             if node == self.me:
@@ -343,19 +365,11 @@ class ClusterService:
                     api_url=profile.api_url,
                     version=profile.version,
                     multiaddrs=profile.multiaddrs,
+                    models=holding_views(holdings.get(node, NodeHoldings())),
+                    transfers=transfers.get(node, NodeTransfers()).transfers,
                 )
             )
-        instances = [
-            InstanceView(
-                id=record.instance_id,
-                model=record.model,
-                stages=tuple(
-                    StageView(node_id=s.node, start_layer=s.start_layer, end_layer=s.end_layer)
-                    for s in record.stages
-                ),
-            )
-            for record in self.state.instances().values()
-        ]
+        instances = [instance_view(record, transfers) for record in self.state.instances().values()]
         return ClusterView(
             cluster=self.config.cluster,
             self=self.me,

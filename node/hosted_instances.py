@@ -1,10 +1,12 @@
 """What this node runs: its part of every instance placed on it, kept in step with the records.
 
 `reconcile_nowait` compares the records that name this node with what runs here and returns at
-once: it stops what went away or changed, and starts one task per new instance. That task resolves
-the model (which may import or download it), then runs the instance's runner, or this node's
-pipeline stage (`node.hosted_stages`); a slow model holds up no other instance. A model that does
-not resolve is tried again after a backoff, not on every pass of the caller's loop.
+once: it stops what went away or changed, and starts one task per new instance. That task gets the
+model's files (this node's own copy, or those its stage needs fetched from the peers that hold them:
+`node.cluster_files`), then runs the instance's runner, or this node's pipeline stage
+(`node.hosted_stages`); a slow transfer holds up no other instance. Files that cannot be had (no
+peer holds them, a transfer failed, the disk is full) are tried again after a backoff, not on every
+pass of the caller's loop; the reason shows in the log and, for a transfer, in the cluster view.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import trio
 
+from node.files import FetchError
 from node.hosted_stages import (
     StageMesh,
     StageRoute,
@@ -25,18 +28,21 @@ from node.hosted_stages import (
     run_entry,
     run_stage_process,
 )
-from node.models import ResolvedModel
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor, child_environment
 from protocol.backoff import Backoff, BackoffPolicy
-from protocol.cluster_records import InstanceRecord
+from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import StageAddress, StageAddressAnswer
 from protocol.ids import InstanceId, ModelId, NodeId
 
 log = logging.getLogger("shoal.instances")
 
 RESOLVE_RETRY = BackoffPolicy(min_s=2.0, max_s=300.0)
-"""A model that does not resolve here (missing files, no network) is tried at 2 s, 4 s ... then every
-5 minutes: files copied in later are picked up, and the log gets a line per try, not per second."""
+"""Files this node cannot get (no peer holds them, a transfer failed, no network) are tried again at
+2 s, 4 s ... then every 5 minutes: a holder that joins later is found, and the log gets a line per
+try, not per second."""
+ModelFolder = Callable[[InstanceRecord, StageAssignment], Awaitable[Path]]
+"""The folder this node runs its stage of an instance from, fetched first when needed
+(`ClusterFiles.folder_for`); raises `ValueError`, `OSError` or `FetchError` when it cannot."""
 
 
 def plan_reconcile(
@@ -74,7 +80,7 @@ class HostedInstances:
         me: NodeId,
         mesh: StageMesh,
         runner_spec: Callable[[ModelId, Path], RunnerSpec],
-        resolve: Callable[[str], Awaitable[ResolvedModel]],
+        folder: ModelFolder,
         *,
         runner: Callable[[RunnerSpec], RunnerSupervisor] = RunnerSupervisor,
         rand: Callable[[], float] = random.random,
@@ -82,7 +88,7 @@ class HostedInstances:
         self.me = me
         self._mesh = mesh
         self._runner_spec = runner_spec
-        self._resolve_model = resolve
+        self._folder_for = folder
         self._runner = runner
         self._rand = rand
         self._hosted: dict[InstanceId, _Hosted] = {}
@@ -119,17 +125,17 @@ class HostedInstances:
             nursery.start_soon(self._host, hosted)
 
     async def _host(self, hosted: _Hosted) -> None:
-        """Resolve the model, then run this node's part of the instance until its scope is cancelled."""
+        """Get the model's files, then run this node's part of the instance until its scope is cancelled."""
         with hosted.scope:
             record = hosted.record
-            resolved = await self._resolve(record)
-            spec = self._runner_spec(record.model, resolved.path)
+            mine = next(s for s in record.stages if s.node == self.me)
+            path = await self._folder(record, mine)
+            spec = self._runner_spec(record.model, path)
             if len(record.stages) == 1:
                 log.info("instance %s: running %s here", record.instance_id, record.model)
                 hosted.runner = self._runner(spec)
                 await serve_runner(hosted.runner)
                 return
-            mine = next(s for s in record.stages if s.node == self.me)
             log.info(
                 "instance %s: running layers [%d, %d) of %s here",
                 record.instance_id,
@@ -152,23 +158,23 @@ class HostedInstances:
 
             env = child_environment(spec)  # a stage runs as a runner would: offline, its BLAS settings
             await run_stage_process(
-                resolved.path, mine, host=host, env=env, publish=publish_address, instance=record.instance_id
+                path, mine, host=host, env=env, publish=publish_address, instance=record.instance_id
             )
 
-    async def _resolve(self, record: InstanceRecord) -> ResolvedModel:
-        """The model's folder, asked for again after each failure's backoff until it resolves."""
-        source = record.source or record.model
+    async def _folder(self, record: InstanceRecord, stage: StageAssignment) -> Path:
+        """The stage's folder, asked for again after each failure's backoff until it is there."""
         backoff = Backoff(RESOLVE_RETRY, rand=self._rand)
         while True:
+            backoff.started(trio.current_time())
             try:
-                return await self._resolve_model(source)
-            except ValueError as exc:  # ModelResolveError: reported, the instance stays unserved here
+                return await self._folder_for(record, stage)
+            except (ValueError, OSError, FetchError) as exc:  # reported; the stage waits here
                 delay = backoff.failed(trio.current_time())
                 report = log.error if backoff.failures == 1 else log.warning
                 report(
-                    "instance %s: cannot resolve model %r: %s (trying again in %.0fs)",
+                    "instance %s: cannot get the files of %s here: %s (trying again in %.0fs)",
                     record.instance_id,
-                    source,
+                    record.model,
                     exc,
                     delay,
                 )

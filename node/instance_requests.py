@@ -1,8 +1,11 @@
 """What any node asks the leader: place (or preview) and delete instances; `shoal run --model X`.
 
 The asking node reads the model's shape itself (from its `ShapeCache`, resolving the model on a
-miss), so the leader never has to. Every answer is an outcome of `protocol.control_wire`; one that
-comes back from the network as anything else is `Unavailable`, like a leader that did not answer.
+miss) and, to place it, hashes its files into a manifest and serves them to the cluster
+(`Describer`, `node.cluster_files`): the leader never resolves a model, and the nodes it places the
+model on fetch the files from this one. A preview hashes nothing: it sends the manifest only when
+one is known already. Every answer is an outcome of `protocol.control_wire`; one that comes back
+from the network as anything else is `Unavailable`, like a leader that did not answer.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Protocol, assert_never
 
 import trio
 
+from node.cluster_files import Described
 from node.leader_control import LeaderControl
 from node.model_shapes import ShapeCache
 from node.net.mesh import RequestError
@@ -36,6 +40,7 @@ from protocol.control_wire import (
 )
 from protocol.election import Decision
 from protocol.ids import NodeId
+from protocol.model_files import instance_view
 
 log = logging.getLogger("shoal.instances")
 
@@ -60,14 +65,28 @@ class Requester(Protocol):
     async def request(self, peer_id: str, payload: bytes, protocol: str = ...) -> bytes: ...
 
 
+class Describer(Protocol):
+    """Hashes and serves the models this node places (`node.cluster_files.ClusterFiles`)."""
+
+    async def describe(self, source: str) -> Described: ...
+    def known(self, source: str) -> Described | None: ...
+
+
 class InstanceRequests:
     def __init__(
-        self, cluster: AskingCluster, mesh: Requester, leader: LeaderControl, shapes: ShapeCache
+        self,
+        cluster: AskingCluster,
+        mesh: Requester,
+        leader: LeaderControl,
+        shapes: ShapeCache,
+        files: Describer | None = None,
     ) -> None:
         self.cluster = cluster
         self.mesh = mesh
         self.leader = leader
         self.shapes = shapes
+        self.files = files
+        """None: place requests carry no manifest, and each stage node resolves the source itself."""
 
     async def _ask(self, request: PlaceInstance | DeleteInstance) -> ControlMessage:
         """The leader's answer: this node's own when it leads, else over the control protocol."""
@@ -87,13 +106,30 @@ class InstanceRequests:
     async def place(self, source: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
         try:
             shape = await self.shapes.get(source)
-        except ValueError as exc:  # the model does not resolve, or its files are unreadable
+            described = await self._describe(source, preview=preview)
+        except (ValueError, OSError) as exc:  # the model does not resolve, or its files are unreadable
+            served = [r for r in self.cluster.state.instances().values() if r.model == source]
+            if served and not preview:  # named by its id here, held by another node: it runs already
+                return Exists(instance=instance_view(served[0]))
             return NotFound(kind="model", reason=str(exc))
-        request = PlaceInstance(model=shape.model, source=source, shape=shape, nodes=nodes, preview=preview)
+        request = PlaceInstance(
+            model=shape.model,
+            source=source,
+            shape=shape,
+            nodes=nodes,
+            preview=preview,
+            manifest=described.manifest if described else None,
+            hub_repo=described.hub_repo if described else "",
+        )
         answer = await self._ask(request)
         if isinstance(answer, PLACE_OUTCOMES):
             return answer
         return Unavailable(kind="no_answer", reason=f"the leader answered {answer.type!r} to a place request")
+
+    async def _describe(self, source: str, *, preview: bool) -> Described | None:
+        if self.files is None:
+            return None
+        return self.files.known(source) if preview else await self.files.describe(source)
 
     async def delete(self, instance_id: str) -> DeleteOutcome:
         answer = await self._ask(DeleteInstance(instance_id=instance_id))

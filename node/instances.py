@@ -6,7 +6,8 @@ One module per job, composed here:
 - `node.instance_requests`: what any node asks the leader (`POST /v1/instances`, `shoal run --model X`);
 - `node.hosted_instances`: this node's reconcile of what it runs, one task per instance;
 - `node.hosted_stages`: the pipeline stages it hosts, and their `StageAddress` answers;
-- `node.model_shapes`: model resolution and the shape cache.
+- `node.model_shapes`: model resolution and the shape cache;
+- `node.cluster_files`: the model files this node serves, and those it fetches for its stages.
 `InstanceManager.run` serves the control protocol and reconciles (and, on the leader, repairs) at
 each cluster change and at least once a second. A leader change keeps instances: records live in
 the replicated state, not in the leader.
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.cluster import ClusterService
+from node.cluster_files import ClusterFiles
 from node.hosted_instances import HostedInstances
 from node.instance_requests import InstanceRequests
 from node.leader_control import LeaderControl
@@ -65,14 +67,19 @@ class InstanceOptions:
 
 
 class InstanceManager:
-    def __init__(self, cluster: ClusterService, mesh: Mesh, options: InstanceOptions) -> None:
+    def __init__(
+        self, cluster: ClusterService, mesh: Mesh, options: InstanceOptions, files: ClusterFiles
+    ) -> None:
         self.cluster = cluster
         self.mesh = mesh
-        files = ModelFiles(options.data_dir, options.runtime_dtype_bytes, options.kernels)
-        self.shapes = ShapeCache(files.shape)
-        self.leader = LeaderControl(cluster, self.shapes)
-        self.requests = InstanceRequests(cluster, mesh, self.leader, self.shapes)
-        self.hosted = HostedInstances(cluster.me, mesh, options.runner_spec, files.resolve)
+        self.files = files
+        self.data_dir = options.data_dir
+        """Where this node's models live (`NodeBackend.local_models` lists them)."""
+        model_files = ModelFiles(options.data_dir, options.runtime_dtype_bytes, options.kernels)
+        self.shapes = ShapeCache(model_files.shape)
+        self.leader = LeaderControl(cluster)
+        self.requests = InstanceRequests(cluster, mesh, self.leader, self.shapes, files)
+        self.hosted = HostedInstances(cluster.me, mesh, options.runner_spec, files.folder_for)
 
     # --- reads for the backend ---------------------------------------------------------------
     def runners(self) -> list[RunnerSupervisor]:
@@ -105,6 +112,7 @@ class InstanceManager:
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.mesh.set_request_handler(self._answer_control, protocol=CONTROL_PROTOCOL)
+        await self.files.offer_stored()
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:

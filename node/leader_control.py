@@ -2,13 +2,16 @@
 
 Only the leader writes instance records: `protocol.placement.place` decides, the cluster state
 replicates them, so a leader change keeps every instance. Each answer is an outcome of
-`protocol.control_wire`, never an HTTP status. Repair runs one task per instance that lost a node,
-so a slow shape read never holds up another instance; one that cannot be re-placed is tried again
-after a backoff, not on every pass of the loop.
+`protocol.control_wire`, never an HTTP status. The leader never resolves a model: a place request
+carries the shape and manifest the requesting node read, the record keeps them, and a repair (by
+this leader or the next) re-places with the record's own. Placement prefers the nodes that hold the
+model's files (their `NodeHoldings`). Repair runs one task per instance that lost a node; one that
+cannot be re-placed is tried again after a backoff, not on every pass of the loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -18,11 +21,9 @@ from typing import Protocol
 
 import trio
 
-from node.model_shapes import ShapeCache
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster import ClusterState, NotLeaderError
 from protocol.cluster_records import InstanceRecord
-from protocol.cluster_view import InstanceView, StageView
 from protocol.control_wire import (
     Deleted,
     DeleteInstance,
@@ -36,8 +37,10 @@ from protocol.control_wire import (
     Unavailable,
 )
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.manifest import Manifest
 from protocol.membership import Status, View
-from protocol.placement import PlacementError, place
+from protocol.model_files import held_bytes, instance_view
+from protocol.placement import ModelShape, Placement, PlacementError, place
 
 log = logging.getLogger("shoal.instances")
 
@@ -64,13 +67,6 @@ class LeaderCluster(Protocol):
     async def remove_instance(self, instance_id: InstanceId) -> None: ...
 
 
-def instance_view(record: InstanceRecord) -> InstanceView:
-    stages = tuple(
-        StageView(node_id=s.node, start_layer=s.start_layer, end_layer=s.end_layer) for s in record.stages
-    )
-    return InstanceView(id=record.instance_id, model=record.model, stages=stages)
-
-
 def new_instance_id(model: str) -> InstanceId:
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[-40:] or "model"
     return InstanceId(f"{slug}-{secrets.token_hex(3)}")
@@ -88,21 +84,20 @@ def _not_leader(still: str = "") -> Unavailable:
 
 
 class LeaderControl:
-    def __init__(
-        self,
-        cluster: LeaderCluster,
-        shapes: ShapeCache,
-        *,
-        rand: Callable[[], float] = random.random,
-    ) -> None:
+    def __init__(self, cluster: LeaderCluster, *, rand: Callable[[], float] = random.random) -> None:
         self.cluster = cluster
-        self.shapes = shapes
         self._rand = rand
         self._repairing: set[InstanceId] = set()
         self._retries: dict[InstanceId, Backoff] = {}
 
     def _records(self) -> list[InstanceRecord]:
         return sorted(self.cluster.state.instances().values(), key=lambda r: r.instance_id)
+
+    def _plan(self, shape: ModelShape, manifest: Manifest | None, nodes: int | None = None) -> Placement:
+        """Where `shape` goes on the nodes alive now, holders of `manifest`'s files first."""
+        held = held_bytes(manifest, self.cluster.state.holdings()) if manifest is not None else {}
+        memory = sorted(self.cluster.alive_memory().items())
+        return place(shape, memory, headroom=PLACEMENT_HEADROOM, nodes_wanted=nodes, held=held)
 
     async def place(self, request: PlaceInstance) -> PlaceOutcome:
         if not self.cluster.is_leader:
@@ -111,17 +106,17 @@ class LeaderControl:
             if record.model == request.model and not request.preview:
                 return Exists(instance=instance_view(record))
         try:
-            plan = place(
-                request.shape,
-                sorted(self.cluster.alive_memory().items()),
-                headroom=PLACEMENT_HEADROOM,
-                nodes_wanted=request.nodes,
-            )
+            plan = self._plan(request.shape, request.manifest, request.nodes)
         except PlacementError as exc:
             return Invalid(kind="does_not_fit", reason=str(exc))
-        self.shapes.remember(request.source, request.shape)
         record = InstanceRecord(
-            new_instance_id(request.model), ModelId(request.model), plan.stages, request.source
+            new_instance_id(request.model),
+            ModelId(request.model),
+            plan.stages,
+            request.source,
+            request.manifest,
+            request.shape,
+            request.hub_repo,
         )
         if not request.preview:
             try:
@@ -166,16 +161,17 @@ class LeaderControl:
         """Re-place `record` on the nodes alive now, if it still fits and nobody changed it meanwhile."""
         iid = record.instance_id
         try:
-            shape = await self.shapes.get(record.source or record.model)
-            plan = place(shape, sorted(self.cluster.alive_memory().items()), headroom=PLACEMENT_HEADROOM)
-            replaced = InstanceRecord(iid, record.model, plan.stages, record.source)
+            if record.shape is None:
+                raise PlacementError("the record carries no model shape (it was placed by an older node)")
+            plan = self._plan(record.shape, record.manifest)
+            replaced = dataclasses.replace(record, stages=plan.stages)
             if self.cluster.state.instances().get(iid) == record and replaced != record:
                 await self.cluster.put_instance(replaced)
                 log.info("re-placed instance %s on %s", iid, [s.node for s in plan.stages])
             self._retries.pop(iid, None)
         except NotLeaderError:
             pass  # the new leader repairs it
-        except ValueError as exc:  # a model that does not resolve, or a PlacementError
+        except PlacementError as exc:
             retry = self._retries.setdefault(iid, Backoff(REPAIR_RETRY, rand=self._rand))
             delay = retry.failed(trio.current_time())
             log.warning(

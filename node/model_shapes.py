@@ -1,9 +1,10 @@
 """Model files and shapes: what a node reads of a model to place it or to run it.
 
 `ShapeCache` looks in its cache before it resolves anything: resolving can import a GGUF file or
-download a repository, which a leader must never do for a model it only re-places (a shape it
-learnt from the `PlaceInstance` it answered is enough). `ModelFiles` is the I/O edge: resolution
-and the shape read run in worker threads, never on the event loop.
+download a repository, so a node asking to place (or preview) a model again reads nothing twice.
+Only a requesting node reads shapes: the leader places and re-places with the shape the instance
+record carries. `ModelFiles` is the I/O edge: resolution and the shape read run in worker
+threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ModelFiles:
 
 
 class ShapeCache:
-    """Model shapes by source, filled by requests and by the place requests the leader answers."""
+    """Model shapes by source, filled by this node's place and preview requests."""
 
     def __init__(self, read: Callable[[str], Awaitable[ModelShape]]) -> None:
         self._read = read

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import logging
 import signal
 import time
@@ -15,10 +16,13 @@ from hypercorn.trio import serve
 from api.app import create_app
 from node.backend import NodeBackend
 from node.cluster import MEMORY_ROUNDING, ClusterConfig, ClusterService
+from node.cluster_files import ClusterFiles, live_members
 from node.config import NodeConfig
+from node.files import Fetcher, FileServer, HashCache, sidecar_path
 from node.instances import InstanceManager, InstanceOptions
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
 from node.native import load_kernels
+from node.net.auth import derive_key
 from node.net.mesh import Mesh
 from node.profile import detect_accelerator, read_profile
 from node.routing import RemoteGenerations, serve_generations
@@ -48,6 +52,14 @@ def _hypercorn_config(config: NodeConfig) -> HypercornConfig:
     return hc
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether only this machine can reach an API bound to `host` (an address or a name)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _public_api_url(bind: str, p2p_addrs: list[str]) -> str:
     """The API URL other machines can use: a wildcard bind is replaced by an advertised p2p address."""
     scheme, _, hostport = bind.partition("://")
@@ -55,6 +67,16 @@ def _public_api_url(bind: str, p2p_addrs: list[str]) -> str:
     if host in ("0.0.0.0", "[::]") and p2p_addrs:
         host = p2p_addrs[0].split("/")[2]
     return f"{scheme}://{host}:{port}"
+
+
+def _cluster_files(config: NodeConfig, mesh: Mesh, cluster: ClusterService) -> ClusterFiles:
+    """Model files between this node and its peers: served to members who sign with the cluster
+    key (the key that admits them to the mesh), fetched from those that advertise them."""
+    key = derive_key(config.mesh.cluster, config.mesh.secret)
+    cache = HashCache(sidecar_path(config.data_dir))
+    server = FileServer(key, members=lambda: live_members(cluster))
+    fetcher = Fetcher(key, mesh.peer_id, cache)
+    return ClusterFiles(cluster, server, fetcher, cache, config.data_dir, cap_bytes=config.max_model_bytes)
 
 
 async def run_node(config: NodeConfig) -> None:
@@ -84,17 +106,26 @@ async def run_node(config: NodeConfig) -> None:
     def runner_spec(model_id: ModelId, model_path: Path) -> RunnerSpec:
         return RunnerSpec.of(config.runner, model_id, model_path, vocab_dir=vocab_dir)
 
-    cluster = ClusterService(mesh, profile, ClusterConfig(cluster=config.mesh.cluster))
+    cluster = ClusterService(
+        mesh, profile, ClusterConfig(cluster=config.mesh.cluster), files=lambda: files.records()
+    )
+    files = _cluster_files(config, mesh, cluster)
     options = InstanceOptions(
         data_dir=config.data_dir,
         runtime_dtype_bytes=4 if accelerator == "cpu" else None,
         kernels=accelerator == "cpu" and config.runner.fast_path and load_kernels().module is not None,
         runner_spec=runner_spec,
     )
-    instances = InstanceManager(cluster, mesh, options)
+    instances = InstanceManager(cluster, mesh, options, files)
     backend = NodeBackend(cluster, instances, RemoteGenerations(mesh))
     backend.serving = serve_generations(mesh, backend.open_local_stream, backend.cancel_local)
-    app = create_app(backend, keepalive_s=config.keepalive_s)
+    app = create_app(backend, keepalive_s=config.keepalive_s, api_key=config.api_key, files=files.server)
+    if config.api_key is None and not _is_loopback(config.api_host):
+        log.warning(
+            "the HTTP API on %s has no API key: anyone who can reach it may use and change the "
+            "cluster (set --api-key, --api-key-file or $SHOAL_API_KEY)",
+            config.api_host,
+        )
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(serve, app, _hypercorn_config(config))

@@ -1,9 +1,9 @@
 """The cluster state: a state-based CRDT of owned records, merged by version. Pure: no I/O, no clock.
 
 Data model (records in `protocol.cluster_records`):
-- Each node owns its `NodeProfile` and its `Liveness`, keyed by its node id, versioned
-  (incarnation, counter). The counter is one per node, shared by its records, and every write bumps it:
-  the `Liveness` version is the node's heartbeat.
+- Each node owns its `NodeProfile`, its `Liveness`, its `NodeHoldings` and its `NodeTransfers`,
+  keyed by its node id, versioned (incarnation, counter). The counter is one per node, shared by
+  its records, and every write bumps it: the `Liveness` version is the node's heartbeat.
 - The leader owns the `LeaderClaim` (one key) and the `InstanceRecord`s (one key per instance),
   versioned (term, counter). A higher term beats any lower one, key by key; a new leader inherits
   every instance record until it rewrites or deletes it (no wipe on a term change).
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from protocol.cluster_records import (
     LEADER_KEY_ID,
@@ -33,7 +34,9 @@ from protocol.cluster_records import (
     InstanceRecord,
     LeaderClaim,
     Liveness,
+    NodeHoldings,
     NodeProfile,
+    NodeTransfers,
     RecordKey,
     RecordKind,
     RecordValue,
@@ -45,6 +48,7 @@ from protocol.cluster_records import (
 from protocol.ids import InstanceId, NodeId
 
 _LEADER_KEY: RecordKey = (RecordKind.LEADER, LEADER_KEY_ID)
+_Owned = TypeVar("_Owned", NodeHoldings, NodeTransfers)
 
 
 class NotLeaderError(RuntimeError):
@@ -178,11 +182,22 @@ class ClusterState:
         Call it on every heartbeat: after a restart it also replaces the previous life's profile (its
         `started_at` differs), once merging has taught this node the old version.
         """
-        current = self._entries.get((RecordKind.PROFILE, node))
-        if current is not None and current.value == profile:
+        return self._with_own(RecordKind.PROFILE, node, profile)
+
+    def with_holdings(self, node: NodeId, holdings: NodeHoldings) -> ClusterState:
+        """Writes the models `node` serves to its peers if they changed, like `with_profile`."""
+        return self._with_own(RecordKind.HOLDINGS, node, holdings)
+
+    def with_transfers(self, node: NodeId, transfers: NodeTransfers) -> ClusterState:
+        """Writes the model files moving to `node` if they changed, like `with_profile`."""
+        return self._with_own(RecordKind.TRANSFERS, node, transfers)
+
+    def _with_own(self, kind: RecordKind, node: NodeId, value: RecordValue) -> ClusterState:
+        current = self._entries.get((kind, node))
+        if current is not None and current.value == value:
             return self
         incarnation, counter = self.node_version(node)
-        return self._write((RecordKind.PROFILE, node), node, (incarnation, counter + 1), profile)
+        return self._write((kind, node), node, (incarnation, counter + 1), value)
 
     def with_heartbeat(self, node: NodeId, suspects: Iterable[Suspicion] = ()) -> ClusterState:
         """Writes `node`'s next heartbeat, naming who it suspects now (at most `MAX_SUSPECTS`).
@@ -240,6 +255,19 @@ class ClusterState:
             NodeId(key_id): entry.value
             for (kind, key_id), entry in self._entries.items()
             if kind is RecordKind.PROFILE and isinstance(entry.value, NodeProfile)
+        }
+
+    def holdings(self) -> dict[NodeId, NodeHoldings]:
+        return self._owned(RecordKind.HOLDINGS, NodeHoldings)
+
+    def transfers(self) -> dict[NodeId, NodeTransfers]:
+        return self._owned(RecordKind.TRANSFERS, NodeTransfers)
+
+    def _owned(self, kind: RecordKind, cls: type[_Owned]) -> dict[NodeId, _Owned]:
+        return {
+            NodeId(key_id): entry.value
+            for (k, key_id), entry in self._entries.items()
+            if k is kind and isinstance(entry.value, cls)
         }
 
     def heartbeats(self) -> dict[NodeId, Heartbeat]:

@@ -7,7 +7,8 @@ schemas ignore each other). Message tags and record kinds are append-only.
 Decoding takes hostile bytes. Before cbor2 sees them, `_scan` walks the raw CBOR and refuses anything
 outside the small subset this wire uses (arrays, text, integers, floats, booleans, null; no maps, byte
 strings, tags, indefinite lengths; bounded depth), so cbor2 never builds a big, deep or exotic object.
-Every failure is a `WireDecodeError`: the caller drops the message and counts it.
+Every failure is a `WireDecodeError`: the caller drops the message and counts it. The field readers
+and the larger values (manifests, shapes, holdings, transfers) are in `protocol.codec_fields`.
 
 Anti-entropy, push-pull (stream, node A to a random peer B):
 A sends `DigestRequest(digest_A)`; B answers `DigestReply(B.missing_for(digest_A), digest_B)`;
@@ -26,12 +27,13 @@ import cbor2
 
 from protocol.cluster import ClusterState, Digest
 from protocol.cluster_records import (
-    MAX_INT,
     Entry,
     InstanceRecord,
     LeaderClaim,
     Liveness,
+    NodeHoldings,
     NodeProfile,
+    NodeTransfers,
     RecordError,
     RecordKey,
     RecordKind,
@@ -39,14 +41,28 @@ from protocol.cluster_records import (
     StageAssignment,
     Suspicion,
 )
+from protocol.codec_fields import (
+    MAX_ENTRIES,
+    WireDecodeError,
+    holdings_from_wire,
+    holdings_to_wire,
+    manifest_from_wire,
+    manifest_to_wire,
+    shape_from_wire,
+    shape_to_wire,
+    transfers_from_wire,
+    transfers_to_wire,
+    wire_int,
+    wire_list,
+    wire_str,
+)
 from protocol.ids import InstanceId, ModelId, NodeId
 
-SCHEMA_VERSION = 2
-"""Bump on any change to a record's or a message's layout."""
+SCHEMA_VERSION = 3
+"""Bump on any change to a record's or a message's layout. 3: instance records carry the model's
+manifest, shape and hub repo; holdings and transfers records."""
 MAX_MESSAGE_BYTES = 512 * 1024
 """Half of GossipSub's 1 MiB delivery limit; `encode_delta` splits bigger deltas."""
-MAX_ENTRIES = 4096
-"""Entries in one delta or digest: two per node plus instances; enough for ~2000 nodes."""
 MAX_DEPTH = 8
 """CBOR nesting: message > body > entry > value > list > item; anything deeper is hostile."""
 
@@ -82,10 +98,6 @@ class DigestReply:
 GossipMessage: TypeAlias = Delta | DigestRequest | DigestReply
 
 
-class WireDecodeError(ValueError):
-    """Remote bytes that are not a valid cluster message. Drop, count, carry on."""
-
-
 class WireEncodeError(ValueError):
     """A local bug: a message this node must not send (over a size limit)."""
 
@@ -114,7 +126,12 @@ def _value_to_wire(value: RecordValue | None) -> Any:
             return [value.node, value.term]
         case InstanceRecord():
             stages = [[s.node, s.start_layer, s.end_layer] for s in value.stages]
-            return [value.instance_id, value.model, stages, value.source]
+            manifest, shape = manifest_to_wire(value.manifest), shape_to_wire(value.shape)
+            return [value.instance_id, value.model, stages, value.source, manifest, shape, value.hub_repo]
+        case NodeHoldings():
+            return holdings_to_wire(value.models)
+        case NodeTransfers():
+            return transfers_to_wire(value.transfers)
         case _:
             assert_never(value)
 
@@ -238,97 +255,85 @@ def _scan(data: bytes) -> None:
         raise WireDecodeError("trailing bytes after the message")
 
 
-def _list(obj: object, what: str, length: int | None = None, limit: int = MAX_ENTRIES) -> list[Any]:
-    if type(obj) is not list:
-        raise WireDecodeError(f"{what}: expected an array")
-    if (length is not None and len(obj) != length) or len(obj) > limit:
-        raise WireDecodeError(f"{what}: wrong length {len(obj)}")
-    return obj
-
-
-def _int(obj: object, what: str) -> int:
-    if type(obj) is not int or not 0 <= obj <= MAX_INT:
-        raise WireDecodeError(f"{what}: expected an integer in range")
-    return obj
-
-
-def _str(obj: object, what: str) -> str:
-    if type(obj) is not str:
-        raise WireDecodeError(f"{what}: expected text")
-    return obj  # lengths are checked by the records themselves
-
-
 def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
     if obj is None:
         return None
     if kind is RecordKind.PROFILE:
-        f = _list(obj, "profile", 9)
+        f = wire_list(obj, "profile", 9)
         started = f[7]
         if type(started) not in (int, float) or not math.isfinite(started):
             raise WireDecodeError("profile.started_at: expected a number")
-        addrs = tuple(_str(a, "multiaddr") for a in _list(f[8], "multiaddrs"))
+        addrs = tuple(wire_str(a, "multiaddr") for a in wire_list(f[8], "multiaddrs"))
         return NodeProfile(
-            _str(f[0], "hostname"),
-            _str(f[1], "os"),
-            _str(f[2], "accelerator"),
-            _int(f[3], "memory_total"),
-            _int(f[4], "memory_available"),
-            _str(f[5], "api_url"),
-            _str(f[6], "version"),
+            wire_str(f[0], "hostname"),
+            wire_str(f[1], "os"),
+            wire_str(f[2], "accelerator"),
+            wire_int(f[3], "memory_total"),
+            wire_int(f[4], "memory_available"),
+            wire_str(f[5], "api_url"),
+            wire_str(f[6], "version"),
             float(started),
             addrs,
         )
     if kind is RecordKind.LIVENESS:
-        f = _list(obj, "liveness", 2)
+        f = wire_list(obj, "liveness", 2)
         if type(f[0]) is not bool:
             raise WireDecodeError("liveness.left: expected a bool")
         suspects = []
-        for item in _list(f[1], "suspects"):
-            pair = _list(item, "suspicion", 2)
-            suspects.append(Suspicion(NodeId(_str(pair[0], "node")), _int(pair[1], "incarnation")))
+        for item in wire_list(f[1], "suspects"):
+            pair = wire_list(item, "suspicion", 2)
+            suspects.append(Suspicion(NodeId(wire_str(pair[0], "node")), wire_int(pair[1], "incarnation")))
         return Liveness(f[0], tuple(suspects))
     if kind is RecordKind.LEADER:
-        f = _list(obj, "leader claim", 2)
-        return LeaderClaim(NodeId(_str(f[0], "node")), _int(f[1], "term"))
-    f = _list(obj, "instance", 4)
+        f = wire_list(obj, "leader claim", 2)
+        return LeaderClaim(NodeId(wire_str(f[0], "node")), wire_int(f[1], "term"))
+    if kind is RecordKind.HOLDINGS:
+        return NodeHoldings(holdings_from_wire(obj))
+    if kind is RecordKind.TRANSFERS:
+        return NodeTransfers(transfers_from_wire(obj))
+    f = wire_list(obj, "instance", 7)
     stages = []
-    for item in _list(f[2], "stages"):
-        s = _list(item, "stage", 3)
-        stages.append(StageAssignment(NodeId(_str(s[0], "node")), _int(s[1], "start"), _int(s[2], "end")))
+    for item in wire_list(f[2], "stages"):
+        s = wire_list(item, "stage", 3)
+        node, start, end = NodeId(wire_str(s[0], "node")), wire_int(s[1], "start"), wire_int(s[2], "end")
+        stages.append(StageAssignment(node, start, end))
     return InstanceRecord(
-        InstanceId(_str(f[0], "instance_id")),
-        ModelId(_str(f[1], "model")),
+        InstanceId(wire_str(f[0], "instance_id")),
+        ModelId(wire_str(f[1], "model")),
         tuple(stages),
-        _str(f[3], "source"),
+        wire_str(f[3], "source"),
+        manifest_from_wire(f[4]),
+        shape_from_wire(f[5]),
+        wire_str(f[6], "hub_repo"),
     )
 
 
 def _kind(obj: object) -> RecordKind:
     try:
-        return RecordKind(_int(obj, "record kind"))
+        return RecordKind(wire_int(obj, "record kind"))
     except ValueError as exc:  # includes WireDecodeError
         raise WireDecodeError(f"unknown record kind {obj!r}") from exc
 
 
 def _state_from_wire(obj: object) -> ClusterState:
     pairs: list[tuple[RecordKey, Entry]] = []
-    for item in _list(obj, "entries"):
-        f = _list(item, "entry", 6)
+    for item in wire_list(obj, "entries"):
+        f = wire_list(item, "entry", 6)
         kind = _kind(f[0])
-        key: RecordKey = (kind, _str(f[1], "key"))
-        version = (_int(f[3], "version"), _int(f[4], "version"))
-        pairs.append((key, Entry(NodeId(_str(f[2], "owner")), version, _value_from_wire(kind, f[5]))))
+        key: RecordKey = (kind, wire_str(f[1], "key"))
+        version = (wire_int(f[3], "version"), wire_int(f[4], "version"))
+        pairs.append((key, Entry(NodeId(wire_str(f[2], "owner")), version, _value_from_wire(kind, f[5]))))
     return ClusterState.of(pairs)
 
 
 def _digest_from_wire(obj: object) -> Digest:
     stamps = {}
-    for item in _list(obj, "digest"):
-        f = _list(item, "stamp", 5)
-        stamps[(_kind(f[0]), _str(f[1], "key"))] = (
-            _int(f[2], "stamp"),
-            _int(f[3], "stamp"),
-            _int(f[4], "stamp"),
+    for item in wire_list(obj, "digest"):
+        f = wire_list(item, "stamp", 5)
+        stamps[(_kind(f[0]), wire_str(f[1], "key"))] = (
+            wire_int(f[2], "stamp"),
+            wire_int(f[3], "stamp"),
+            wire_int(f[4], "stamp"),
         )
     return Digest(stamps)
 
@@ -342,11 +347,11 @@ def decode_message(data: bytes) -> GossipMessage:
         obj = cbor2.loads(data)
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError) as exc:
         raise WireDecodeError(f"undecodable CBOR: {exc}") from exc
-    envelope = _list(obj, "message", 3)
+    envelope = wire_list(obj, "message", 3)
     if envelope[0] != SCHEMA_VERSION or type(envelope[0]) is not int:
         raise WireDecodeError(f"schema version {envelope[0]!r}, expected {SCHEMA_VERSION}")
     try:
-        tag = MessageTag(_int(envelope[1], "tag"))
+        tag = MessageTag(wire_int(envelope[1], "tag"))
     except ValueError as exc:
         raise WireDecodeError(f"unknown message tag {envelope[1]!r}") from exc
     body = envelope[2]
@@ -355,7 +360,7 @@ def decode_message(data: bytes) -> GossipMessage:
             return Delta(_state_from_wire(body))
         if tag is MessageTag.DIGEST_REQUEST:
             return DigestRequest(_digest_from_wire(body))
-        pair = _list(body, "digest reply", 2)
+        pair = wire_list(body, "digest reply", 2)
         return DigestReply(_state_from_wire(pair[0]), _digest_from_wire(pair[1]))
     except RecordError as exc:
         raise WireDecodeError(f"invalid record: {exc}") from exc

@@ -1,9 +1,11 @@
 """The records of the cluster state, their owners and their size limits. Pure values, no I/O.
 
 Every record lives under a key `(kind, id)` and is wrapped in an `Entry` that says who wrote it
-(`owner`) and at which `version`. Two kinds are owned by a node (its profile and its liveness claim,
-keyed by the node's id); two are owned by the leader (the leader claim, a singleton, and one record
-per instance). See `protocol.cluster` for how entries merge.
+(`owner`) and at which `version`. Four kinds are owned by a node (its profile, its liveness claim,
+the model files it holds and those moving to it, keyed by the node's id); two are owned by the
+leader (the leader claim, a singleton, and one record per instance). See `protocol.cluster` for
+how entries merge. The files a node holds and its transfers are records of their own, so the
+frequent profile and heartbeat writes never carry them, nor they each other.
 
 The limits below are enforced when a record is built, so a state never holds a record that the wire
 codec (`protocol.cluster_codec`) would refuse: what one node writes, every node can decode.
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.manifest import MAX_MANIFEST_FILES, Manifest, TransferProgress
+from protocol.model_shape import ModelShape
 
 # Size limits: named so the codec, the writers and the tests agree on them.
 MAX_ID_CHARS = 128
@@ -33,6 +37,17 @@ MAX_SUSPECTS = 64
 """Members one liveness record may name as suspected; more are dropped (suspicion is only a hint)."""
 MAX_INT = 2**63 - 1
 """Every counter, size and layer index fits in a signed 64-bit integer."""
+MAX_LAYERS = 1024
+"""Layers in one model shape (the largest public models have ~130)."""
+MAX_HOLDINGS = 32
+"""Models one node advertises; with partial ones listing up to `protocol.manifest.MAX_MANIFEST_FILES`
+indices each, the record stays under ~50 KB, far below the gossip limit."""
+MAX_TRANSFERS = 8
+"""Transfers to one node shown at once: the running ones and the latest finished."""
+MAX_ERROR_CHARS = 512
+"""Why a transfer failed; longer reasons are cut by the writer."""
+MANIFEST_ID_CHARS = 64
+"""A manifest id is a SHA-256 in hex."""
 
 
 class RecordKind(IntEnum):
@@ -42,9 +57,11 @@ class RecordKind(IntEnum):
     LIVENESS = 2
     LEADER = 3
     INSTANCE = 4
+    HOLDINGS = 5
+    TRANSFERS = 6
 
 
-NODE_KINDS = (RecordKind.PROFILE, RecordKind.LIVENESS)
+NODE_KINDS = (RecordKind.PROFILE, RecordKind.LIVENESS, RecordKind.HOLDINGS, RecordKind.TRANSFERS)
 """Kinds keyed and owned by one node: only that node writes them."""
 LEADER_KEY_ID = ""
 """The id of the single `LEADER` record."""
@@ -191,32 +208,113 @@ class InstanceRecord:
     """The id clients name in requests (`/v1/models`)."""
     stages: tuple[StageAssignment, ...]
     source: str = ""
-    """The model reference each stage node resolves (built-in name, folder, .gguf or Hugging Face repo
-    id); empty means `model` itself is the reference."""
+    """The model reference as the requesting node wrote it (built-in name, folder, .gguf or Hugging
+    Face repo id); empty means `model` itself. Only a record without a manifest is resolved by it."""
+    manifest: Manifest | None = None
+    """The model's files: a stage node that lacks them fetches them from the nodes that hold them."""
+    shape: ModelShape | None = None
+    """What the requesting node read of the model, so that a leader re-places the instance
+    without resolving the model itself."""
+    hub_repo: str = ""
+    """The Hugging Face repo the files also come from, when no peer has them; empty: peers only."""
 
     def __post_init__(self) -> None:
         check_node_id("instance_id", self.instance_id)
         _check_text("model", self.model, MAX_TEXT_CHARS, allow_empty=False)
         _check_text("source", self.source, MAX_URL_CHARS)
+        _check_text("hub_repo", self.hub_repo, MAX_TEXT_CHARS)
         if not isinstance(self.stages, tuple) or not 1 <= len(self.stages) <= MAX_STAGES:
             raise RecordError(f"an instance has 1 to {MAX_STAGES} stages")
         for before, after in zip(self.stages, self.stages[1:], strict=False):
             if after.start_layer != before.end_layer:
                 raise RecordError("stages must be contiguous and in layer order")
+        if self.manifest is not None and not isinstance(self.manifest, Manifest):
+            raise RecordError("manifest must be a Manifest")
+        if self.shape is not None:
+            if not isinstance(self.shape, ModelShape) or self.shape.num_layers > MAX_LAYERS:
+                raise RecordError(f"shape must be a ModelShape of at most {MAX_LAYERS} layers")
+            if self.stages[-1].end_layer != self.shape.num_layers:
+                raise RecordError("the stages must cover the shape's layers")
 
 
-RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """A model whose files a node holds and serves: all of them, or those at `files` (indices into
+    the manifest's files, which the reader knows from the instance record naming the manifest)."""
+
+    manifest_id: str
+    files: tuple[int, ...] | None = None
+    """Sorted, unique indices; None: every file of the manifest."""
+
+    def __post_init__(self) -> None:
+        _check_text("manifest_id", self.manifest_id, MANIFEST_ID_CHARS, allow_empty=False)
+        if self.files is None:
+            return
+        if not isinstance(self.files, tuple) or len(self.files) > MAX_MANIFEST_FILES:
+            raise RecordError(f"files must be a tuple of at most {MAX_MANIFEST_FILES} indices")
+        for index in self.files:
+            _check_int("file index", index)
+        if any(a >= b for a, b in zip(self.files, self.files[1:], strict=False)):
+            raise RecordError("file indices must be sorted and unique")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHoldings:
+    """The models a node serves to its peers (`GET /v1/files/...`). Owned by that node."""
+
+    models: tuple[Holding, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.models, tuple) or len(self.models) > MAX_HOLDINGS:
+            raise RecordError(f"a node advertises at most {MAX_HOLDINGS} models")
+        if not all(isinstance(h, Holding) for h in self.models):
+            raise RecordError("models must hold Holding values")
+        ids = [h.manifest_id for h in self.models]
+        if ids != sorted(set(ids)):
+            raise RecordError("holdings must be sorted by manifest id, each once")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTransfers:
+    """Model files moving to a node now, and the latest finished moves (with a failure's reason)."""
+
+    transfers: tuple[TransferProgress, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transfers, tuple) or len(self.transfers) > MAX_TRANSFERS:
+            raise RecordError(f"a node shows at most {MAX_TRANSFERS} transfers")
+        for transfer in self.transfers:
+            if not isinstance(transfer, TransferProgress):
+                raise RecordError("transfers must hold TransferProgress values")
+            _check_text("transfer manifest_id", transfer.manifest_id, MANIFEST_ID_CHARS)
+            _check_text("transfer model", transfer.model, MAX_TEXT_CHARS)
+            _check_text("transfer error", transfer.error or "", MAX_ERROR_CHARS)
+            for value in (
+                transfer.bytes_done,
+                transfer.bytes_total,
+                transfer.files_done,
+                transfer.files_total,
+            ):
+                _check_int("transfer count", value)
+            if not math.isfinite(transfer.rate_bps):
+                raise RecordError("a transfer's rate must be finite")
+
+
+RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord | NodeHoldings | NodeTransfers
 VALUE_TYPES: dict[RecordKind, type] = {
     RecordKind.PROFILE: NodeProfile,
     RecordKind.LIVENESS: Liveness,
     RecordKind.LEADER: LeaderClaim,
     RecordKind.INSTANCE: InstanceRecord,
+    RecordKind.HOLDINGS: NodeHoldings,
+    RecordKind.TRANSFERS: NodeTransfers,
 }
 
 
 def _value_hash(owner: NodeId, value: RecordValue | None) -> int:
-    # repr of these frozen dataclasses (str, int, float, bool, tuples) is deterministic across
-    # processes and platforms; a change of fields is a schema change, so mixed reprs never meet.
+    # repr of these frozen dataclasses and pydantic models (str, int, float, bool, None, tuples) is
+    # deterministic across processes and platforms; a change of fields is a schema change, so mixed
+    # reprs never meet.
     text = repr((owner, value)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1  # <= MAX_INT
 

@@ -10,12 +10,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from protocol.manifest import TransferProgress
+
 MemberStatus = Literal["unknown", "alive", "suspect", "dead", "left"]
 Role = Literal["leader", "follower"]
+InstanceState = Literal["loading", "ready", "failed", "unknown"]
+"""How an instance is doing as its first stage's node reports it (placing happens before a record
+exists, so only a client that asked can show it)."""
 
 
 class _View(BaseModel):
     model_config = ConfigDict(frozen=True)
+
+
+class HoldingView(_View):
+    manifest_id: str
+    files: int | None = None
+    """How many of the manifest's files the member holds; None: all of them."""
 
 
 class MemberView(_View):
@@ -32,6 +43,10 @@ class MemberView(_View):
     api_url: str
     version: str
     multiaddrs: tuple[str, ...]
+    models: tuple[HoldingView, ...] = ()
+    """The models whose files this member serves to the others."""
+    transfers: tuple[TransferProgress, ...] = ()
+    """Model files moving to this member now, and the latest finished moves (oldest first)."""
 
 
 class StageView(_View):
@@ -44,6 +59,12 @@ class InstanceView(_View):
     id: str
     model: str
     stages: tuple[StageView, ...]
+    manifest_id: str | None = None
+    """The content id of the model's files (`protocol.manifest`), which stage nodes fetch by."""
+    state: InstanceState | None = None
+    """From the stage nodes' transfers: "loading" while files move, "failed" when the latest transfer
+    failed (retried after a backoff; `error` says why); None when they say nothing (the runners tell)."""
+    error: str | None = None
 
 
 class ClusterView(_View):
@@ -53,3 +74,19 @@ class ClusterView(_View):
     term: int
     members: tuple[MemberView, ...]
     instances: tuple[InstanceView, ...]
+
+
+class InstanceStatusView(_View):
+    """What the dashboard shows of an instance beside its placement."""
+
+    state: InstanceState
+    error: str | None = None
+    """Why it failed, is restarting or cannot be asked; None when there is nothing to say."""
+
+
+class ModelFileView(_View):
+    """A model in a node's data dir (what `shoal models` lists), which that node can place by name."""
+
+    name: str
+    model_type: str
+    size_bytes: int

@@ -1,7 +1,9 @@
 """Control requests over `/shoal/control/2.0.0`: place, preview and delete instances; stage addresses.
 
-Any node accepts `POST /v1/instances`; it resolves the model itself (so it can read the model's shape)
-and forwards a `PlaceInstance` to the leader, which alone writes instance records. The leader answers
+Any node accepts `POST /v1/instances`; it resolves the model itself (so it can read the model's shape
+and hash its files into a manifest) and forwards a `PlaceInstance` to the leader, which alone writes
+instance records; the leader never resolves a model, and the nodes it places one on fetch its files
+by the manifest from the nodes that hold them. The leader answers
 with an outcome (a tagged union: placed, exists, deleted, not found, invalid, unavailable, each with
 its reason); `api/` alone turns outcomes into HTTP statuses. Encoded like the runner wire: pydantic
 messages as CBOR, one message per request or answer; bad bytes raise `ControlWireError` (the message
@@ -16,11 +18,13 @@ from pydantic import Field, TypeAdapter
 
 from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.cluster_view import InstanceView
+from protocol.manifest import Manifest
 from protocol.placement import ModelShape
 
-CONTROL_PROTOCOL = "/shoal/control/2.0.0"
-"""2.0.0: typed outcomes replaced 1.0.0's `ControlAnswer` with HTTP status codes; a node of the
-other version does not speak this protocol, and asking it reads as `Unavailable`."""
+CONTROL_PROTOCOL = "/shoal/control/3.0.0"
+"""3.0.0: a place request carries the model's manifest. 2.0.0: typed outcomes replaced 1.0.0's
+`ControlAnswer` with HTTP status codes. A node of another version does not speak this protocol, and
+asking it reads as `Unavailable`."""
 MAX_CONTROL_BYTES = 1024 * 1024
 
 
@@ -33,6 +37,10 @@ class PlaceInstance(WireMessage):
     shape: ModelShape
     nodes: int | None = None
     preview: bool = False
+    manifest: Manifest | None = None
+    """The model's files as the requesting node holds them (None for a preview: nothing is hashed)."""
+    hub_repo: str = ""
+    """The Hugging Face repo the model came from, for stage nodes no peer can serve; else empty."""
 
 
 class DeleteInstance(WireMessage):

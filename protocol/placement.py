@@ -6,7 +6,8 @@
    activations and the runtime). Nodes are ranked by available bytes, largest first, ties by node id,
    so the order of the input never matters.
 2. By default as few nodes as fit are used: the largest node alone if the whole model fits it, else
-   the two largest, and so on. `nodes_wanted=N` asks for exactly the N largest nodes.
+   the two largest, and so on. `nodes_wanted=N` asks for exactly N nodes (the largest, but
+   see rule 5).
 3. The first stage holds the embedding, the last the head (final norm + lm_head, and the embedding
    matrix again when the embeddings are tied and the stages differ). These fixed costs sit at the
    two ends, so the two largest chosen nodes take the first and the last stage; the middle stages
@@ -15,6 +16,11 @@
    stage at least one layer). Every layer also reserves its KV cache for `shape.context_length`
    tokens. If that split overflows a node, the feasible split nearest to it (the least total shift
    of the stage boundaries, in layers) is taken instead.
+5. Nodes that already hold the model's files are preferred (`held`: bytes of them on each node):
+   for each number of nodes, the set of that many that holds the most is tried first (then by
+   available bytes), and the largest nodes only when that set does not fit. So a model on one node
+   that fits it stays there, and a split reuses the holders; rule 2 still comes first (never more
+   nodes to avoid a transfer), and within the set chosen, rule 3 orders the stages.
 
 When nothing fits, `PlacementError` says what the model needs and what each node has. A `Placement`
 is a plan only (`place` changes nothing): an API can show it before the leader writes it as an
@@ -23,11 +29,14 @@ is a plan only (`place` changes nothing): an API can show it before the leader w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.cluster_records import MAX_STAGES, InstanceRecord, StageAssignment
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.model_shape import ModelShape, prefix_sums
+
+__all__ = ["ModelShape", "Placement", "PlacementError", "format_bytes", "place"]
 
 MAX_NODES_IN_MESSAGE = 16
 """An error lists this many nodes (the largest) and counts the rest: messages stay readable."""
@@ -35,104 +44,6 @@ MAX_NODES_IN_MESSAGE = 16
 
 class PlacementError(ValueError):
     """The model cannot be placed on these nodes (too little memory, or an impossible request)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What placement needs to know of a model: the bytes each part of it takes at run time."""
-
-    model: ModelId
-    layer_bytes: tuple[int, ...]
-    """Weights of each transformer layer, in layer order; its length is the number of layers."""
-    embedding_bytes: int
-    """The token embedding, held by the first stage (and by the last one too when tied)."""
-    head_bytes: int
-    """The final norm and lm_head (none when tied), held by the last stage."""
-    tied_embeddings: bool
-    """lm_head is the embedding matrix: the last stage needs a copy of it."""
-    kv_bytes_per_token: int
-    """KV cache of one layer for one token (2 x kv heads x head dim x dtype bytes)."""
-    context_length: int
-    """Tokens of KV cache reserved per layer."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.layer_bytes, tuple) or not self.layer_bytes:
-            raise ValueError("layer_bytes must be a non-empty tuple")
-        for name, value in (
-            *(("layer bytes", b) for b in self.layer_bytes),
-            ("embedding_bytes", self.embedding_bytes),
-            ("head_bytes", self.head_bytes),
-            ("kv_bytes_per_token", self.kv_bytes_per_token),
-            ("context_length", self.context_length),
-        ):
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
-
-    @classmethod
-    def uniform(
-        cls,
-        model: ModelId,
-        *,
-        num_layers: int,
-        bytes_per_layer: int,
-        embedding_bytes: int,
-        head_bytes: int,
-        tied_embeddings: bool = False,
-        kv_bytes_per_token: int = 0,
-        context_length: int = 0,
-    ) -> ModelShape:
-        """A shape whose `num_layers` layers all weigh `bytes_per_layer`."""
-        if num_layers < 1:
-            raise ValueError("a model has at least one layer")
-        return cls(
-            model,
-            (bytes_per_layer,) * num_layers,
-            embedding_bytes,
-            head_bytes,
-            tied_embeddings,
-            kv_bytes_per_token,
-            context_length,
-        )
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_bytes)
-
-    @property
-    def kv_bytes_per_layer(self) -> int:
-        """The KV cache one layer reserves for `context_length` tokens."""
-        return self.kv_bytes_per_token * self.context_length
-
-    @property
-    def weight_bytes(self) -> int:
-        """Every weight once: what a single node holds."""
-        return sum(self.layer_bytes) + self.embedding_bytes + self.head_bytes
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.kv_bytes_per_layer * self.num_layers
-
-    @property
-    def total_bytes(self) -> int:
-        """What the whole model needs on one node: weights and KV cache."""
-        return self.weight_bytes + self.kv_bytes
-
-    def stage_bytes(self, start: int, end: int) -> int:
-        """Bytes a stage running layers [start, end) needs: its layers, their KV cache, and the
-        embedding when it is the first stage, the head (and the tied embedding) when it is the last."""
-        if not 0 <= start < end <= self.num_layers:
-            raise ValueError(f"no stage [{start}, {end}) in {self.num_layers} layers")
-        return self._stage_bytes(_prefix_sums(self), start, end)
-
-    def _stage_bytes(self, prefix: Sequence[int], start: int, end: int) -> int:
-        total = prefix[end] - prefix[start]
-        if start == 0:
-            total += self.embedding_bytes
-        if end == self.num_layers:
-            total += self.head_bytes
-            if self.tied_embeddings and start != 0:
-                total += self.embedding_bytes
-        return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +72,12 @@ def place(
     *,
     headroom: float = 0.0,
     nodes_wanted: int | None = None,
+    held: Mapping[NodeId, int] | None = None,
 ) -> Placement:
     """Split `shape` across `nodes` (`(node id, available bytes)`, any order); see the module doc.
 
-    `headroom` is the fraction of each node's available bytes kept free. Raises `PlacementError`
+    `headroom` is the fraction of each node's available bytes kept free; `held` the bytes of the
+    model's files each node holds already (rule 5; absent nodes hold none). Raises `PlacementError`
     when nothing fits or `nodes_wanted` cannot be met, and `ValueError` for malformed input
     (a repeated node id, negative bytes, a headroom outside [0, 1)). Deterministic.
     """
@@ -176,10 +89,11 @@ def place(
         counts: Sequence[int] = (nodes_wanted,)
     else:
         counts = range(1, min(len(ranked), shape.num_layers, MAX_STAGES) + 1)
-    prefix = _prefix_sums(shape)
+    prefix = prefix_sums(shape)
     for count in counts:
-        if (found := _place_on(shape, prefix, ranked[:count])) is not None:
-            return found
+        for chosen in _candidates(ranked, count, held or {}):
+            if (found := _place_on(shape, prefix, chosen)) is not None:
+                return found
     raise PlacementError(_no_fit_message(shape, ranked, headroom, nodes_wanted))
 
 
@@ -206,6 +120,17 @@ def _rank(nodes: Sequence[tuple[NodeId, int]], headroom: float) -> list[_Node]:
     return ranked
 
 
+def _candidates(ranked: list[_Node], count: int, held: Mapping[NodeId, int]) -> list[list[_Node]]:
+    """The sets of `count` nodes to try, in order (rule 5), each in rank order: the holders' first."""
+    largest = ranked[:count]
+    if not any(held.get(n.id, 0) > 0 for n in ranked):
+        return [largest]
+    position = {n.id: i for i, n in enumerate(ranked)}
+    by_holding = sorted(ranked, key=lambda n: (-held.get(n.id, 0), position[n.id]))[:count]
+    holders_first = sorted(by_holding, key=lambda n: position[n.id])
+    return [holders_first] if holders_first == largest else [holders_first, largest]
+
+
 def _check_wanted(shape: ModelShape, wanted: int, live: int) -> None:
     if wanted < 1:
         raise PlacementError(f"asked for {wanted} nodes: at least 1 is needed")
@@ -217,14 +142,6 @@ def _check_wanted(shape: ModelShape, wanted: int, live: int) -> None:
         )
     if wanted > MAX_STAGES:
         raise PlacementError(f"asked for {wanted} nodes: an instance has at most {MAX_STAGES} stages")
-
-
-def _prefix_sums(shape: ModelShape) -> list[int]:
-    """prefix[j]: bytes of layers [0, j), KV cache included."""
-    prefix = [0]
-    for layer in shape.layer_bytes:
-        prefix.append(prefix[-1] + layer + shape.kv_bytes_per_layer)
-    return prefix
 
 
 def _pipeline_order(chosen: list[_Node]) -> list[_Node]:

@@ -9,16 +9,22 @@ from protocol.cluster import ClusterState
 from protocol.cluster_records import (
     LEADER_KEY_ID,
     Entry,
+    Holding,
     InstanceRecord,
     LeaderClaim,
     Liveness,
+    NodeHoldings,
     NodeProfile,
+    NodeTransfers,
     RecordKey,
     RecordKind,
+    RecordValue,
     StageAssignment,
     Suspicion,
 )
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.manifest import FileEntry, TransferProgress, manifest_of
+from protocol.model_shape import ModelShape
 
 NODES = [NodeId(f"12D3KooWNode{c}") for c in "ABCDE"]
 INSTANCES = [InstanceId(f"inst-{i}") for i in range(3)]
@@ -47,21 +53,73 @@ livenesses = st.builds(
 )
 
 
+MANIFESTS = [
+    manifest_of([FileEntry(path="config.json", size=2, sha256="a" * 64)]),
+    manifest_of(
+        [FileEntry(path=f"model-{i}.safetensors", size=10 + i, sha256=f"{i}" * 64) for i in range(3)],
+        derived_from=FileEntry(path="m.gguf", size=99, sha256="b" * 64),
+    ),
+]
+SHAPE = ModelShape.uniform(ModelId("m/a"), num_layers=24, bytes_per_layer=7, embedding_bytes=3, head_bytes=2)
+holdings = st.builds(
+    NodeHoldings,
+    st.lists(
+        st.builds(
+            Holding,
+            st.sampled_from([m.id for m in MANIFESTS]),
+            st.none() | st.lists(st.integers(0, 3), max_size=3, unique=True).map(lambda i: tuple(sorted(i))),
+        ),
+        max_size=2,
+        unique_by=lambda h: h.manifest_id,
+    ).map(lambda hs: tuple(sorted(hs, key=lambda h: h.manifest_id))),
+)
+transfers = st.builds(
+    NodeTransfers,
+    st.lists(
+        st.builds(
+            TransferProgress,
+            manifest_id=st.sampled_from([m.id for m in MANIFESTS]),
+            model=st.just("m/a"),
+            source=st.sampled_from(["peers", "hub"]),
+            state=st.sampled_from(["fetching", "done", "failed"]),
+            bytes_done=small,
+            bytes_total=small,
+            rate_bps=st.sampled_from([0.0, 1.5e6]),
+            files_done=small,
+            files_total=small,
+            peers=small,
+            error=st.none() | st.just("no peer holds it"),
+        ),
+        max_size=2,
+    ).map(tuple),
+)
+
+
 @st.composite
 def instance_records(draw: st.DrawFn, instance_id: InstanceId) -> InstanceRecord:
     split = draw(st.integers(1, 23))
     stages = (StageAssignment(draw(node_ids), 0, split), StageAssignment(draw(node_ids), split, 24))
-    return InstanceRecord(instance_id, ModelId(draw(st.sampled_from(["m/a", "m/b"]))), stages)
+    model = ModelId(draw(st.sampled_from(["m/a", "m/b"])))
+    if not draw(st.booleans()):
+        return InstanceRecord(instance_id, model, stages)
+    manifest, hub = draw(st.sampled_from(MANIFESTS)), draw(st.sampled_from(["", "org/m"]))
+    return InstanceRecord(instance_id, model, stages, "/data/m", manifest, SHAPE, hub)
 
 
 @st.composite
 def entries(draw: st.DrawFn) -> tuple[RecordKey, Entry]:
     """One valid (key, entry) pair of any kind, tombstones included."""
     kind = draw(st.sampled_from(list(RecordKind)))
-    if kind is RecordKind.PROFILE or kind is RecordKind.LIVENESS:
+    owned: dict[RecordKind, st.SearchStrategy[RecordValue]] = {
+        RecordKind.PROFILE: profiles,
+        RecordKind.LIVENESS: livenesses,
+        RecordKind.HOLDINGS: holdings,
+        RecordKind.TRANSFERS: transfers,
+    }
+    value: RecordValue | None
+    if kind in owned:
         node = draw(node_ids)
-        value: NodeProfile | Liveness | InstanceRecord | None
-        value = draw(profiles) if kind is RecordKind.PROFILE else draw(livenesses)
+        value = draw(owned[kind])
         return (kind, node), Entry(node, (draw(small), draw(small)), value)
     if kind is RecordKind.LEADER:
         node, term = draw(node_ids), draw(small)

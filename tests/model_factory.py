@@ -273,3 +273,28 @@ def write_model_folder(
         if (tokenizer_from / name).is_file():
             shutil.copyfile(tokenizer_from / name, dst / name)
     return dst
+
+
+def sharded_copy(src: Path, dst: Path) -> Path:
+    """`src` (one `model.safetensors`) rewritten as one shard per layer plus a weight index, as
+    large checkpoints come: the embedding in the first shard, the final norm and head in the last."""
+    weights = mx.load(str(src / "model.safetensors"))
+    assert isinstance(weights, dict)
+    layers = json.loads((src / "config.json").read_text(encoding="utf-8"))["num_hidden_layers"]
+    names = [f"model-{i + 1:05d}-of-{layers:05d}.safetensors" for i in range(layers)]
+    groups: dict[str, dict[str, mx.array]] = {name: {} for name in names}
+    for tensor, value in weights.items():
+        parts = tensor.split(".")
+        index = int(parts[2]) if tensor.startswith("model.layers.") else 0 if "embed_tokens" in tensor else -1
+        groups[names[index]][tensor] = value
+    dst.mkdir(parents=True, exist_ok=True)
+    for name, group in groups.items():
+        mx.save_safetensors(str(dst / name), group, metadata={"format": "mlx"})
+    weight_map = {tensor: name for name, group in groups.items() for tensor in group}
+    total = sum(v.nbytes for v in weights.values())
+    index_body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index_body, indent=2), encoding="utf-8")
+    for path in src.iterdir():
+        if path.is_file() and path.name != "model.safetensors":
+            shutil.copyfile(path, dst / path.name)
+    return dst

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,14 +127,18 @@ def start_node(
     env: dict[str, str] | None = None,
     ready_timeout: float = 120,
     netns: str | None = None,
+    prefix: Sequence[str] = (),
+    module: str = "node.cli",
 ) -> RunningNode:
     """`shoal run` with a free API port; returns once the API listens and the model is ready.
 
     `model` is a model reference, `DEFAULT` (no `--model` flag) or None (`--no-model`). By default
     the node stays on loopback with mDNS off; with `netns` it runs inside that network namespace
-    (which the test created) with mDNS on, and `args` say which addresses to use there.
+    (which the test created) with mDNS on, and `args` say which addresses to use there. `prefix`
+    runs the node under another command (e.g. `unshare -m ...`, a mount namespace); `module` is
+    the CLI module (a test's wrapper of `node.cli`).
     """
-    cmd = [sys.executable, "-m", "node.cli", "run", "--api-port", "0", "--data-dir", str(data_dir)]
+    cmd = [*prefix, sys.executable, "-m", module, "run", "--api-port", "0", "--data-dir", str(data_dir)]
     if netns is None:
         # Loopback only, and no multicast on the machine's real interfaces (mDNS is tested in namespaces).
         cmd += ["--api-host", "127.0.0.1", "--p2p-host", "127.0.0.1", "--no-mdns"]
@@ -154,6 +159,12 @@ def start_node(
         node.stop()
         raise
     return node
+
+
+def hidden_from(folder: Path) -> list[str]:
+    """A `start_node` prefix: the node runs in a mount namespace of its own in which `folder` is an
+    empty tmpfs, as if it were another machine that lacks what `folder` holds (needs root)."""
+    return ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(folder)]
 
 
 def statuses(node: RunningNode) -> dict[str, str]:

@@ -28,8 +28,23 @@ from protocol.cluster_codec import (
     encode_digest_reply,
     encode_message,
 )
-from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile, RecordKind
-from protocol.ids import NodeId
+from protocol.cluster_records import (
+    MAX_HOLDINGS,
+    MAX_LAYERS,
+    MAX_MULTIADDRS,
+    MAX_TEXT_CHARS,
+    MAX_TRANSFERS,
+    Holding,
+    InstanceRecord,
+    NodeHoldings,
+    NodeProfile,
+    NodeTransfers,
+    RecordKind,
+    StageAssignment,
+)
+from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.manifest import MAX_MANIFEST_FILES, MAX_PATH_CHARS, FileEntry, TransferProgress, manifest_of
+from protocol.model_shape import ModelShape
 from tests.cluster_strategies import NODES, states
 
 A, B = NODES[0], NODES[1]
@@ -51,6 +66,25 @@ def entry_wire(
     node: str = A, owner: str = A, value: Any = None, version: tuple[int, int] = (0, 1)
 ) -> list[Any]:
     return [1, node, owner, *version, profile_wire() if value is None else value]
+
+
+def instance_wire(
+    iid: str = "i1",
+    stages: list[list[Any]] | None = None,
+    *,
+    path: str = "config.json",
+    sha: str = "c" * 64,
+    version: int = 1,
+    layers: int = 4,
+    layer: int = 5,
+) -> list[Any]:
+    manifest = [version, [[path, 2, sha]], None]
+    shape = ["m", [layer] * layers, 1, 1, False, 0, 0]
+    return [iid, "m", stages or [[A, 0, 4]], "", manifest, shape, ""]
+
+
+def transfer_wire(state: str = "fetching", rate: float = 1.0) -> list[Any]:
+    return ["a" * 64, "m", "peers", state, 1, 2, rate, 0, 1, 1, None]
 
 
 def assert_rejected(data: bytes) -> None:
@@ -132,6 +166,52 @@ def test_digest_reply_fills_the_budget_and_the_rest_follows() -> None:
         encode_digest_reply(state, replica.digest(), max_bytes=1024)
 
 
+def test_the_largest_file_records_still_fit_one_gossip_message() -> None:
+    """An instance naming a 512-file manifest and a 1024-layer shape, and a node holding 32 models
+    in part with 512 files each: each entry fits one gossip message (the mesh's 256 KiB)."""
+    files = [
+        FileEntry(path=f"{i:03d}" + "x" * (MAX_PATH_CHARS - 3), size=2**40, sha256="f" * 64)
+        for i in range(MAX_MANIFEST_FILES)
+    ]
+    manifest = manifest_of(files, derived_from=FileEntry(path="m.gguf", size=1, sha256="e" * 64))
+    shape = ModelShape.uniform(
+        ModelId("m"), num_layers=MAX_LAYERS, bytes_per_layer=2**40, embedding_bytes=1, head_bytes=1
+    )
+    stages = tuple(StageAssignment(NodeId(f"12D3KooW{i:044d}"), i * 4, i * 4 + 4) for i in range(256))
+    record = InstanceRecord(
+        InstanceId("i" * 128), ModelId("m" * 256), stages, "s" * 512, manifest, shape, "o/r"
+    )
+    held = NodeHoldings(
+        tuple(Holding(f"{i:064x}", tuple(range(0, 2 * MAX_MANIFEST_FILES, 2))) for i in range(MAX_HOLDINGS))
+    )
+    transfer = TransferProgress(
+        manifest_id="a" * 64,
+        model="m" * MAX_TEXT_CHARS,
+        source="peers",
+        state="failed",
+        bytes_done=2**50,
+        bytes_total=2**50,
+        rate_bps=1e12,
+        files_done=512,
+        files_total=512,
+        peers=16,
+        error="e" * 512,
+    )
+    moving = NodeTransfers((transfer,) * MAX_TRANSFERS)
+    state = (
+        ClusterState.empty()
+        .with_leader_claim(A, 1)
+        .with_instance(A, 1, record)
+        .with_holdings(A, held)
+        .with_transfers(A, moving)
+    )
+    for key, entry in state:
+        (data,) = encode_delta(ClusterState.of([(key, entry)]))
+        assert len(data) <= 256 * 1024, (key[0].name, len(data))
+        decoded = decode_message(data)
+        assert isinstance(decoded, Delta) and dict(decoded.state.entries) == {key: entry}
+
+
 # Caps, on both sides.
 def test_encode_refuses_more_than_max_entries() -> None:
     digest = Digest({(RecordKind.PROFILE, f"n{i}"): (0, 0, 0) for i in range(MAX_ENTRIES + 1)})
@@ -157,8 +237,24 @@ def test_encode_refuses_more_than_max_entries() -> None:
         ("a profile owned by someone else", wire([entry_wire(node=A, owner=B)])),
         ("a claim in another's name", wire([[3, "", A, 1, 0, [B, 1]]])),
         ("a claim at the wrong version", wire([[3, "", A, 1, 5, [A, 1]]])),
-        ("an instance under another key", wire([[4, "i1", A, 1, 1, ["i2", "m", [[A, 0, 4]]]]])),
-        ("overlapping stages", wire([[4, "i1", A, 1, 1, ["i1", "m", [[A, 0, 4], [B, 2, 8]]]]])),
+        ("an instance under another key", wire([[4, "i1", A, 1, 1, instance_wire("i2")]])),
+        ("overlapping stages", wire([[4, "i1", A, 1, 1, instance_wire(stages=[[A, 0, 4], [B, 2, 8]])]])),
+        ("an instance of the old schema", wire([[4, "i1", A, 1, 1, ["i1", "m", [[A, 0, 4]], ""]]])),
+        ("a manifest path leaving the folder", wire([[4, "i1", A, 1, 1, instance_wire(path="../x")]])),
+        ("a manifest with a short hash", wire([[4, "i1", A, 1, 1, instance_wire(sha="ab")]])),
+        ("a manifest of another version", wire([[4, "i1", A, 1, 1, instance_wire(version=2)]])),
+        ("a shape with other layers than the stages", wire([[4, "i1", A, 1, 1, instance_wire(layers=3)]])),
+        ("a shape with a negative layer", wire([[4, "i1", A, 1, 1, instance_wire(layer=-1)]])),
+        ("holdings owned by another", wire([[5, A, B, 0, 1, [["a" * 64, None]]]])),
+        ("holdings out of order", wire([[5, A, A, 0, 1, [["b" * 64, None], ["a" * 64, None]]]])),
+        ("holdings with repeated files", wire([[5, A, A, 0, 1, [["a" * 64, [1, 1]]]]])),
+        (
+            "too many holdings",
+            wire([[5, A, A, 0, 1, [[f"{i:064x}", None] for i in range(MAX_HOLDINGS + 1)]]]),
+        ),
+        ("a transfer in an unknown state", wire([[6, A, A, 0, 1, [transfer_wire(state="lost")]]])),
+        ("a transfer at an infinite rate", wire([[6, A, A, 0, 1, [transfer_wire(rate=math.inf)]]])),
+        ("too many transfers", wire([[6, A, A, 0, 1, [transfer_wire()] * (MAX_TRANSFERS + 1)]])),
         ("a negative counter", wire([entry_wire(version=(0, -1))])),
         ("a counter over 63 bits", wire([entry_wire(version=(0, 2**63))])),
         ("a bool as a counter", wire([entry_wire(version=(0, True))])),

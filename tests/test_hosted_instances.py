@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from node.files import FetchError
 from node.hosted_instances import RESOLVE_RETRY, HostedInstances, plan_reconcile
 from node.hosted_stages import answer_stage_address
 from node.models import ModelResolveError, ResolvedModel
@@ -53,8 +54,14 @@ def spec(model: ModelId, path: Path) -> RunnerSpec:
 
 
 def hosted(resolve: Callable[[str], Awaitable[ResolvedModel]]) -> HostedInstances:
+    """A node whose stage folders come from `resolve(record's model)`, as `ClusterFiles.folder_for`
+    gives them (a local copy, or files fetched from peers)."""
+
+    async def folder(record: InstanceRecord, stage: StageAssignment) -> Path:
+        return (await resolve(record.source or record.model)).path
+
     FakeRunner.live = set()
-    return HostedInstances(ME, NoMesh(), spec, resolve, runner=FakeRunner, rand=lambda: 0.5)
+    return HostedInstances(ME, NoMesh(), spec, folder, runner=FakeRunner, rand=lambda: 0.5)
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
@@ -118,8 +125,17 @@ def test_an_instance_that_goes_away_while_resolving_is_never_started() -> None:
     run(main)
 
 
-def test_a_model_that_does_not_resolve_is_retried_after_a_backoff_not_every_pass(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    "failure",
+    [
+        lambda source: ModelResolveError(f"model {source!r} not found"),
+        lambda source: FetchError(f"{source}: no peer holds 'config.json'"),
+        lambda source: OSError(28, "No space left on device"),
+    ],
+    ids=["does not resolve", "no peer has the files", "disk full"],
+)
+def test_files_this_node_cannot_get_are_asked_for_again_after_a_backoff_not_every_pass(
+    caplog: pytest.LogCaptureFixture, failure: Callable[[str], Exception]
 ) -> None:
     attempts: list[float] = []
     files_arrive_at = 100.0
@@ -127,7 +143,7 @@ def test_a_model_that_does_not_resolve_is_retried_after_a_backoff_not_every_pass
     async def resolve(source: str) -> ResolvedModel:
         attempts.append(trio.current_time())
         if trio.current_time() < files_arrive_at:
-            raise ModelResolveError(f"model {source!r} not found")
+            raise failure(source)
         return ResolvedModel(source, Path("/m"), "folder")
 
     async def main() -> None:
@@ -144,7 +160,7 @@ def test_a_model_that_does_not_resolve_is_retried_after_a_backoff_not_every_pass
     assert RESOLVE_RETRY.min_s == 2.0
     assert attempts == pytest.approx([0, 2, 6, 14, 30, 62, 126])  # 2 s doubling; the last one works
     assert FakeRunner.live == set()  # cancelled with the nursery
-    levels = [r.levelno for r in caplog.records if "cannot resolve" in r.getMessage()]
+    levels = [r.levelno for r in caplog.records if "cannot get the files" in r.getMessage()]
     assert levels == [logging.ERROR] + [logging.WARNING] * 5  # one ERROR, not one per pass
 
 

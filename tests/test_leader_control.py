@@ -9,12 +9,13 @@ import pytest
 import trio
 import trio.testing
 
+from node.cluster_files import Described
 from node.instance_requests import InstanceRequests
 from node.leader_control import LeaderControl
 from node.model_shapes import ShapeCache
 from node.net.mesh import RequestError
 from protocol.cluster import ClusterState, NotLeaderError
-from protocol.cluster_records import InstanceRecord, StageAssignment
+from protocol.cluster_records import Holding, InstanceRecord, NodeHoldings, StageAssignment
 from protocol.control_wire import (
     Deleted,
     DeleteInstance,
@@ -29,6 +30,7 @@ from protocol.control_wire import (
 )
 from protocol.election import Decision
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.manifest import FileEntry, manifest_of
 from protocol.membership import MemberState, Status, View
 from protocol.placement import ModelShape
 
@@ -91,17 +93,21 @@ class Reader:
         return SHAPE
 
 
-def leader_of(memory: dict[NodeId, int], reader: Reader | None = None) -> tuple[FakeCluster, LeaderControl]:
+def leader_of(memory: dict[NodeId, int]) -> tuple[FakeCluster, LeaderControl]:
     cluster = FakeCluster(memory)
-    return cluster, LeaderControl(cluster, ShapeCache(reader or Reader()), rand=lambda: 0.5)
+    return cluster, LeaderControl(cluster, rand=lambda: 0.5)
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+MANIFEST = manifest_of([FileEntry(path="model.safetensors", size=GIB, sha256="a" * 64)])
+
+
 def ask(model: str = "tiny", **kwargs: object) -> PlaceInstance:
-    return PlaceInstance.model_validate({"model": model, "source": model, "shape": SHAPE, **kwargs})
+    fields = {"model": model, "source": model, "shape": SHAPE, "manifest": MANIFEST, **kwargs}
+    return PlaceInstance.model_validate(fields)
 
 
 def test_place_preview_exists_does_not_fit_and_not_leader_are_outcomes() -> None:
@@ -151,19 +157,36 @@ def test_the_shape_cache_is_read_before_anything_is_resolved() -> None:
     run(main)
 
 
-def test_repair_re_places_with_the_shape_it_learnt_without_resolving() -> None:
+def test_the_record_keeps_what_the_request_carried_and_repair_uses_it() -> None:
+    """The leader has nothing to resolve a model with: it places and re-places with the shape and
+    manifest of the request, kept in the record (a new leader finds them there too)."""
+
     async def main() -> None:
-        reader = Reader()
-        cluster, leader = leader_of({ME: GIB // 2, OTHER: 8 * GIB}, reader)
-        placed = await leader.place(ask())
+        cluster, leader = leader_of({ME: GIB // 2, OTHER: 8 * GIB})
+        placed = await leader.place(ask(hub_repo="org/tiny"))
         assert isinstance(placed, Placed) and placed.instance.stages[0].node_id == OTHER
+        assert placed.instance.manifest_id == MANIFEST.id
+        (first,) = cluster.state.instances().values()
+        assert (first.manifest, first.shape, first.hub_repo) == (MANIFEST, SHAPE, "org/tiny")
         cluster.dies(OTHER)
         cluster.memory[ME] = 8 * GIB
         async with trio.open_nursery() as nursery:
             leader.repair_nowait(nursery)
         (record,) = cluster.state.instances().values()
         assert [s.node for s in record.stages] == [ME] and record.instance_id == placed.instance.id
-        assert reader.read == []  # the new leader resolved (downloaded) nothing
+        assert (record.manifest, record.shape, record.hub_repo) == (MANIFEST, SHAPE, "org/tiny")
+
+    run(main)
+
+
+def test_placement_prefers_the_nodes_that_hold_the_files() -> None:
+    async def main() -> None:
+        cluster, leader = leader_of({ME: 8 * GIB, OTHER: 4 * GIB})
+        cluster.state = cluster.state.with_holdings(OTHER, NodeHoldings((Holding(MANIFEST.id),)))
+        placed = await leader.place(ask())
+        assert isinstance(placed, Placed) and placed.instance.stages[0].node_id == OTHER
+        elsewhere = await leader.place(ask("other", manifest=None, preview=True))
+        assert isinstance(elsewhere, Placed) and elsewhere.instance.stages[0].node_id == ME
 
     run(main)
 
@@ -189,19 +212,35 @@ def test_repair_that_does_not_fit_is_retried_after_a_backoff(caplog: pytest.LogC
     assert len([r for r in caplog.records if "cannot be re-placed" in r.getMessage()]) == 6
 
 
-def test_repair_never_brings_back_an_instance_deleted_while_its_shape_was_read() -> None:
+def test_a_record_without_a_shape_is_left_as_it_is(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        cluster, leader = leader_of({ME: 8 * GIB, OTHER: 8 * GIB}, Reader(delay=5.0))
+        cluster, leader = leader_of({ME: 8 * GIB, OTHER: 8 * GIB})
         record = InstanceRecord(InstanceId("i1"), ModelId("tiny"), (StageAssignment(OTHER, 0, 4),), "tiny")
         await cluster.put_instance(record)
         cluster.dies(OTHER)
         async with trio.open_nursery() as nursery:
-            leader.repair_nowait(nursery)  # no shape cached: it reads one (5 s)
-            await trio.sleep(1.0)
-            await cluster.remove_instance(record.instance_id)
-        assert cluster.state.instances() == {}
+            leader.repair_nowait(nursery)
+        assert list(cluster.state.instances().values()) == [record]
 
-    run(main)
+    with caplog.at_level(logging.WARNING, logger="shoal.instances"):
+        run(main)
+    assert any("carries no model shape" in r.getMessage() for r in caplog.records)
+
+
+class Files:
+    """Hashes models like `ClusterFiles.describe`, counting what it hashed."""
+
+    def __init__(self) -> None:
+        self.described: list[str] = []
+        self.known_ones: dict[str, Described] = {}
+
+    async def describe(self, source: str) -> Described:
+        self.described.append(source)
+        self.known_ones[source] = Described(MANIFEST, "org/tiny")
+        return self.known_ones[source]
+
+    def known(self, source: str) -> Described | None:
+        return self.known_ones.get(source)
 
 
 class FakeMesh:
@@ -215,11 +254,11 @@ class FakeMesh:
 
 
 def requests_of(
-    cluster: FakeCluster, answer: Callable[[bytes], bytes], reader: Reader
+    cluster: FakeCluster, answer: Callable[[bytes], bytes], reader: Reader, files: Files | None = None
 ) -> tuple[InstanceRequests, FakeMesh]:
     mesh = FakeMesh(answer)
     shapes = ShapeCache(reader)
-    return InstanceRequests(cluster, mesh, LeaderControl(cluster, shapes), shapes), mesh
+    return InstanceRequests(cluster, mesh, LeaderControl(cluster), shapes, files), mesh
 
 
 def test_what_a_node_asks_the_leader_comes_back_as_outcomes() -> None:
@@ -246,6 +285,30 @@ def test_what_a_node_asks_the_leader_comes_back_as_outcomes() -> None:
         not_found = NotFound(kind="instance", reason="no instance 'x'")
         mesh.answer = lambda payload: encode_control(not_found)
         assert await requests.delete("x") == not_found
+
+    run(main)
+
+
+def test_a_place_request_carries_the_manifest_and_a_preview_hashes_nothing() -> None:
+    async def main() -> None:
+        cluster = FakeCluster({ME: 8 * GIB})
+        files = Files()
+        requests, _ = requests_of(cluster, lambda payload: b"", Reader(), files)
+        preview = await requests.place("tiny", None, preview=True)
+        assert isinstance(preview, Placed) and preview.instance.manifest_id is None and files.described == []
+        placed = await requests.place("tiny", None, preview=False)
+        assert isinstance(placed, Placed) and placed.instance.manifest_id == MANIFEST.id
+        assert files.described == ["tiny"]
+        (record,) = cluster.state.instances().values()
+        assert record.manifest == MANIFEST and record.hub_repo == "org/tiny"
+        again = await requests.place("tiny", None, preview=True)  # the manifest is known now
+        assert isinstance(again, Placed) and again.instance.manifest_id == MANIFEST.id
+        assert files.described == ["tiny"]
+        # A model served already, named by its id on a node that lacks its files: it exists.
+        stages = (StageAssignment(OTHER, 0, 4),)
+        await cluster.put_instance(InstanceRecord(InstanceId("i9"), ModelId("held-elsewhere"), stages))
+        by_id = await requests.place("held-elsewhere", None, preview=False)
+        assert isinstance(by_id, Exists) and by_id.instance.id == "i9"
 
     run(main)
 

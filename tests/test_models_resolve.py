@@ -24,6 +24,7 @@ from node.models import (
     builtin_gguf_path,
     default_data_dir,
     list_local_models,
+    locate_model,
     resolve_model,
 )
 from node.models import gguf as gguf_module
@@ -181,6 +182,24 @@ def test_list_local_models(tiny_gguf: Path, tmp_path: Path) -> None:
     assert model.path == tmp_path / "models" / "tiny-llama"
     assert model.size_bytes > 20_000_000
     assert list_local_models(tmp_path / "empty") == []
+
+
+def test_models_from_peers_are_listed_by_content_and_their_folder_name_is_reserved(tmp_path: Path) -> None:
+    fetched = tmp_path / "models" / "cluster" / ("ab" * 32)
+    fetched.mkdir(parents=True)
+    (fetched / "config.json").write_text('{"model_type": "qwen3"}')
+    [model] = list_local_models(tmp_path)
+    assert (model.name, model.model_type, model.path) == (f"cluster/{'ab' * 32}", "qwen3", fetched)
+    assert locate_model(model.name, tmp_path).path == fetched  # placeable by that name, never a repo id
+    with pytest.raises(ModelResolveError, match="reserved"):
+        locate_model(str(write_bytes(tmp_path / "cluster.gguf")), tmp_path)
+    with pytest.raises(ModelResolveError, match="not found"):
+        locate_model("cluster", tmp_path)  # the store's own folder is no model name
+
+
+def write_bytes(path: Path) -> Path:
+    path.write_bytes(b"GGUF")
+    return path
 
 
 # ---- Hugging Face repos against a local fake Hub ----------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,10 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from node.files import HashCache, folder_manifest
 from node.pipeline.shard import Shard, ShardError, ShardSpec, even_split, load_shard
-from tests.model_factory import make_random_model
+from protocol.manifest import INDEX_FILE, stage_paths
+from tests.model_factory import make_random_model, sharded_copy
 
 
 @pytest.mark.parametrize(
@@ -106,6 +109,36 @@ def test_tied_embedding_stays_with_the_last_stage(builtin_model_dir: Path) -> No
     assert {name.split(".")[0] for name in _names(last)} == {"layers", "embed_tokens", "norm"}
     middle = load_shard(builtin_model_dir, start=10, end=12)
     assert {name.split(".")[0] for name in _names(middle)} == {"layers"}
+
+
+def test_a_stage_loads_from_a_folder_holding_only_its_shards(random_model_dir: Path, tmp_path: Path) -> None:
+    """What a stage node fetched from peers: metadata and the shards of its layers, picked by the
+    transfer layer's `stage_paths` from the weight index; the layers run as from the whole model."""
+    full = sharded_copy(four_layers(random_model_dir, tmp_path), tmp_path / "sharded")
+    manifest = folder_manifest(full, HashCache(None))
+    index = json.loads((full / INDEX_FILE).read_text())
+    config = json.loads((full / "config.json").read_text())
+    wanted = stage_paths(manifest, index, config, start=1, end=3)
+    assert sorted(p for p in wanted if p.endswith(".safetensors")) == [
+        "model-00002-of-00004.safetensors",
+        "model-00003-of-00004.safetensors",
+    ]
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for path in wanted:
+        shutil.copyfile(full / path, partial / path)
+
+    from_partial, from_full = load_shard(partial, start=1, end=3), load_shard(full, start=1, end=3)
+    hidden = mx.random.normal((1, 5, config["hidden_size"]), key=mx.random.key(1))
+    a = from_partial.forward(hidden, from_partial.make_cache())
+    b = from_full.forward(hidden, from_full.make_cache())
+    assert mx.array_equal(a, b).item()
+    with pytest.raises(ShardError, match=r"lacks .* layers \[0, 2\) need"):
+        load_shard(partial, start=0, end=2)  # the embedding and layer 0 are not here
+
+
+def four_layers(tokenizer_from: Path, tmp_path: Path) -> Path:
+    return make_random_model(tmp_path / "four", num_layers=4, tokenizer_from=tokenizer_from)
 
 
 def test_process_memory_follows_the_share(eight_wide: Path) -> None:

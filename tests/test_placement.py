@@ -300,7 +300,7 @@ def test_nearest_fit_matches_brute_force(shape: ModelShape, caps: list[int]) -> 
     layers, count = shape.num_layers, len(caps)
     if count > layers:
         return
-    prefix = placement_module._prefix_sums(shape)
+    prefix = placement_module.prefix_sums(shape)
     target = placement_module._proportional(layers, caps)
 
     def fits(bounds: list[int]) -> bool:
@@ -322,3 +322,56 @@ def test_nearest_fit_matches_brute_force(shape: ModelShape, caps: list[int]) -> 
     assert shift(found) == min(shift(b) for b in feasible)
     if fits(target):
         assert found == target
+
+
+# Rule 5: nodes that hold the model's files are preferred, never at the cost of more nodes.
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes", "held", "wanted", "expected"),
+    [
+        ("a holder that fits keeps the model", [(A, 9000), (B, 3000)], {B: 10}, None, [(B, 0, 30)]),
+        ("a holder too small: the largest", [(A, 9000), (B, 2000)], {B: 10}, None, [(A, 0, 30)]),
+        ("equal memory: the holder, not the smallest id", [(A, 3000), (B, 3000)], {B: 1}, None, [(B, 0, 30)]),
+        (
+            "a split reuses the holder; the stages still go by memory",
+            [(A, 2000), (B, 2000), (C, 1600)],
+            {C: 5},
+            2,
+            [(A, 0, 17), (C, 17, 30)],
+        ),
+        (
+            "more held bytes first",
+            [(A, 1600), (B, 1600), (C, 1600)],
+            {A: 1, C: 7, B: 3},
+            2,
+            [(B, 0, 15), (C, 15, 30)],
+        ),
+        ("holding nothing is no holding", [(A, 9000), (B, 3000)], {B: 0}, None, [(A, 0, 30)]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_holders_are_preferred(
+    name: str,
+    nodes: list[tuple[NodeId, int]],
+    held: dict[NodeId, int],
+    wanted: int | None,
+    expected: list[tuple[str, int, int]],
+) -> None:
+    assert spans(place(uniform(), nodes, nodes_wanted=wanted, held=held)) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, nodes=node_lists, data=st.data())
+def test_holdings_never_cost_a_node_more(
+    shape: ModelShape, nodes: list[tuple[NodeId, int]], data: st.DataObject
+) -> None:
+    held = {node: data.draw(st.integers(0, 3)) for node, _ in nodes}
+    plain = _outcome(shape, nodes, 0.0, None)
+    try:
+        preferring: object = place(shape, nodes, held=held)
+    except PlacementError as exc:
+        preferring = str(exc)
+    assert isinstance(preferring, Placement) == isinstance(plain, Placement)
+    if isinstance(plain, Placement) and isinstance(preferring, Placement):
+        assert len(preferring.stages) == len(plain.stages)

@@ -21,11 +21,9 @@ from pathlib import Path
 
 from node.files.download import FetchError
 from node.files.hashing import HashCache
-from node.models.store import models_dir
+from node.models.store import CLUSTER_SUBDIR, models_dir
 from protocol.manifest import FileEntry
 
-CLUSTER_SUBDIR = "cluster"
-"""`<data_dir>/models/cluster/`: models fetched from peers, one folder per manifest id."""
 PARTS_DIR = ".parts"
 """Inside the staging folder; hidden, so no manifest path can clash with it."""
 

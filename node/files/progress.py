@@ -47,6 +47,7 @@ class ProgressMeter:
         bytes_total: int,
         files_total: int,
         clock: Callable[[], float] = time.monotonic,
+        announce: bool = True,
     ) -> None:
         self.manifest_id, self.model, self.source = manifest_id, model, source
         self.bytes_total, self.files_total = bytes_total, files_total
@@ -57,7 +58,8 @@ class ProgressMeter:
         self._samples: deque[tuple[float, int]] = deque([(clock(), 0)])
         self._last_change = self._samples[0][0]
         self._logged_step = 0
-        log.info("%s: fetching %s in %d file(s) from %s", model, _mb(bytes_total), files_total, source)
+        if announce:
+            log.info("%s: fetching %s in %d file(s) from %s", model, _mb(bytes_total), files_total, source)
 
     def advance(self, n: int) -> None:
         """`n` more bytes arrived (a retried piece's bytes count again: this is traffic, capped)."""
@@ -156,11 +158,29 @@ class ProgressBoard:
             files_total=files_total,
             clock=self._clock,
         )
-        key = f"{manifest_id or model}|{source}"
+        self._add(meter)
+        return meter
+
+    def _add(self, meter: ProgressMeter) -> None:
+        key = f"{meter.manifest_id or meter.model}|{meter.source}"
         self._meters.pop(key, None)
         self._meters[key] = meter
         self._prune()
-        return meter
+
+    def failed(self, *, manifest_id: str, model: str, source: TransferSource, reason: str) -> None:
+        """Show a transfer that failed before it began (no peer holds the files), like one that
+        failed midway; logs nothing (the caller reports it, with its retry)."""
+        meter = ProgressMeter(
+            manifest_id=manifest_id,
+            model=model,
+            source=source,
+            bytes_total=0,
+            files_total=0,
+            clock=self._clock,
+            announce=False,
+        )
+        meter.state, meter.error = "failed", reason
+        self._add(meter)
 
     def snapshots(self) -> list[TransferProgress]:
         """Oldest first."""

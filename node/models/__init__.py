@@ -10,7 +10,7 @@ quant layouts, safetensors writer, child process, tokenizer), `builtin` (the def
 from node.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path, ensure_builtin_model
 from node.models.gguf import GGUFImportError, ensure_gguf_model, import_gguf
 from node.models.hub import download_hub_model
-from node.models.resolve import resolve_model
+from node.models.resolve import locate_model, resolve_model
 from node.models.store import (
     LocalModel,
     ModelResolveError,
@@ -32,5 +32,6 @@ __all__ = [
     "ensure_gguf_model",
     "import_gguf",
     "list_local_models",
+    "locate_model",
     "resolve_model",
 ]

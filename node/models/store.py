@@ -5,6 +5,8 @@ Layout under `<data_dir>/models/`:
     <name>/                 a folder imported from a .gguf file (the built-in one is `smollm2-135m/`)
     hf/<org>--<name>/       a Hugging Face repo, as `snapshot_download(local_dir=...)` leaves it
     hf/.cache/              huggingface_hub's refs and locks for those downloads
+    cluster/<manifest id>/  files fetched from peers (`node.files`): a whole model, or only the
+                            config, tokenizer and shards of the stages this node ran
     .<name>.partial-XXXX/   an import in progress (never listed, never resolved)
 
 A model folder is one that holds `config.json`; it is made complete before it gets its final name
@@ -27,6 +29,8 @@ from typing import Literal
 
 HUB_SUBDIR = "hf"
 """Hugging Face downloads go to `<data_dir>/models/hf/`; `hf` is therefore not a valid import name."""
+CLUSTER_SUBDIR = "cluster"
+"""Models fetched from peers go to `<data_dir>/models/cluster/<manifest id>/`: a reserved name too."""
 HUB_SEPARATOR = "--"
 """`org/name` is stored as `org--name`: the Hub forbids `--` in ids, so the mapping is reversible."""
 STALE_PARTIAL_S = 3600.0
@@ -116,7 +120,12 @@ def list_local_models(data_dir: Path) -> list[LocalModel]:
     """Every complete model folder under `<data_dir>/models`, imported ones first, each sorted by name."""
     root = models_dir(data_dir)
     found: list[LocalModel] = []
-    for parent, naming in ((root, _plain_name), (root / HUB_SUBDIR, repo_id_from_folder)):
+    subdirs = (
+        (root, _plain_name),
+        (root / HUB_SUBDIR, repo_id_from_folder),
+        (root / CLUSTER_SUBDIR, _cluster_name),
+    )
+    for parent, naming in subdirs:
         if not parent.is_dir():
             continue
         for child in sorted(parent.iterdir()):
@@ -128,6 +137,12 @@ def list_local_models(data_dir: Path) -> list[LocalModel]:
 
 def _plain_name(folder_name: str) -> str:
     return folder_name
+
+
+def _cluster_name(folder_name: str) -> str:
+    """`cluster/<manifest id>`: a model from peers is named by its content (it may hold only the
+    shards of a stage, so it is listed, but only a complete one serves on its own)."""
+    return f"{CLUSTER_SUBDIR}/{folder_name}"
 
 
 @contextlib.contextmanager

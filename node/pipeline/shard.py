@@ -9,7 +9,10 @@ model with tied embeddings that head *is* the embedding table, so the last stage
 
 Memory follows the share: the model is built by mlx-lm with lazy weights (nothing is read from
 the safetensors files yet), the parts this stage does not run are dropped, and only then is what
-remains evaluated. The other layers' weights are never read into memory.
+remains evaluated. The other layers' weights are never read into memory, and need not be on disk:
+a stage fetched from peers holds only the shards of its own layers (`node.files`), so the folder
+may lack the others. Every tensor the stage runs must be there, checked against the shards'
+headers before anything is evaluated (`ShardError` names the first one missing).
 
 The forward pass is spelled out here rather than borrowed from the model's `__call__`, because a
 stage must stop after its last layer and start from a received hidden state. It is the same
@@ -20,7 +23,9 @@ differs (scaled embeddings, extra inputs) are refused with `ShardError` rather t
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,9 @@ log = logging.getLogger("shoal.pipeline")
 SUPPORTED_MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
 """mlx-lm model files whose forward is exactly: embed, mask, layer(h, mask, cache) each, norm, head.
 (mlx-lm maps mistral and other llama-shaped families onto `llama`.)"""
+
+MAX_HEADER_BYTES = 100 * 1024**2
+"""A safetensors header larger than this is refused (the safetensors library's own limit)."""
 
 Prepare = Callable[[nn.Module], object]
 """Called once on the pruned, still lazy shard, e.g. the runner's dtype policy; must evaluate it."""
@@ -207,6 +215,32 @@ class Shard(nn.Module):
         return sampler(logprobs)
 
 
+def _kept_prefixes(spec: ShardSpec, *, keep_embedding: bool, head: bool) -> tuple[str, ...]:
+    """The parameter name prefixes (mlx-lm's llama/qwen naming) of what a stage runs."""
+    prefixes = [f"model.layers.{i}." for i in range(spec.start, spec.end)]
+    if keep_embedding:
+        prefixes.append("model.embed_tokens.")
+    if spec.is_last:
+        prefixes.append("model.norm.")
+    if head:
+        prefixes.append("lm_head.")
+    return tuple(prefixes)
+
+
+def stored_tensor_names(folder: Path) -> set[str]:
+    """The tensor names in the folder's `model*.safetensors` files (what mlx-lm loads), read from
+    their headers (8-byte little-endian length, then that much JSON); no tensor is read."""
+    names: set[str] = set()
+    for path in sorted(folder.glob("model*.safetensors")):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > MAX_HEADER_BYTES:
+                raise ShardError(f"{path.name}: a header of {length} bytes is not a safetensors header")
+            header = json.loads(handle.read(length))
+        names.update(name for name in header if name != "__metadata__")
+    return names
+
+
 def load_shard(
     model_path: Path | str, *, start: int, end: int | None = None, prepare: Prepare | None = None
 ) -> Shard:
@@ -217,7 +251,8 @@ def load_shard(
     """
     from mlx_lm.utils import load_model
 
-    model, config = load_model(Path(model_path), lazy=True)
+    # strict=False: shards of other stages may be absent; what this stage runs is checked below.
+    model, config = load_model(Path(model_path), lazy=True, strict=False)
     family = type(model).__module__
     inner = getattr(model, "model", None)
     if family not in SUPPORTED_MODULES or inner is None:
@@ -229,6 +264,14 @@ def load_shard(
     spec = ShardSpec(start, len(all_layers) if end is None else end, len(all_layers))
     tied = bool(getattr(model.args, "tie_word_embeddings", "lm_head" not in model))
     keep_embedding = spec.is_first or (spec.is_last and tied)
+    kept = _kept_prefixes(spec, keep_embedding=keep_embedding, head=spec.is_last and not tied)
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    needed = {name for name, _ in params if name.startswith(kept)}
+    if missing := sorted(needed - stored_tensor_names(Path(model_path))):
+        raise ShardError(
+            f"{model_path} lacks {len(missing)} tensor(s) that layers [{spec.start}, {spec.end}) need, "
+            f"e.g. {missing[0]!r}: a shard of this stage is missing"
+        )
     shard = Shard(
         spec,
         layers=all_layers[spec.start : spec.end],

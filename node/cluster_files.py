@@ -1,0 +1,303 @@
+"""This node's side of model files in the cluster: what it serves, what it advertises, what it fetches.
+
+- `describe(source)`: a model this node resolved (a folder, an imported .gguf, a hub download) is
+  hashed into its manifest (in a worker thread; the hash cache makes it a stat per file after the
+  first time, restarts included) and offered to the cluster's members; the place request carries it.
+- `folder_for(record, stage)`: the folder a stage placed here runs from: a copy this node serves
+  whole already, or the one the record's source names here when it has this very content (a folder
+  every node sees; found without importing or downloading anything), else the files the stage
+  needs (config, tokenizer and only its own shards), fetched into
+  `<data_dir>/models/cluster/<manifest id>/` from the live peers that advertise them, and offered
+  in turn. Raises `FetchError` (reported on the board), `ValueError` or `OSError`.
+- `records()`: what the cluster driver writes at each heartbeat: the holdings (so peers know whom
+  to ask) and the transfers (progress, for `/v1/cluster` and `shoal status`).
+- `offer_stored()`: at start, the models fetched before a restart are offered again.
+
+Files are served only to live members (`members`) who sign with the cluster key (`node.files`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from node.files import Fetcher, FetchError, FileServer, HashCache, HubRef, Peer, cluster_model_dir
+from node.files.folders import CLUSTER_SUBDIR
+from node.files.hashing import folder_manifest
+from node.models import ResolvedModel, builtin_gguf_path, locate_model, resolve_model
+from node.models.disk import make_room
+from node.models.store import is_model_dir, models_dir
+from protocol.cluster import ClusterState
+from protocol.cluster_records import (
+    MAX_ERROR_CHARS,
+    MAX_HOLDINGS,
+    MAX_TEXT_CHARS,
+    MAX_TRANSFERS,
+    InstanceRecord,
+    NodeHoldings,
+    NodeTransfers,
+    StageAssignment,
+)
+from protocol.ids import NodeId
+from protocol.manifest import Manifest, metadata_paths
+from protocol.membership import Status, View
+from protocol.model_files import file_holders, holding_of
+
+log = logging.getLogger("shoal.files")
+
+HOLDERS_WAIT_S = 5.0
+"""How long a stage waits for a holder of its files to be heard of before the fetch fails (and is
+retried after a backoff): the instance record can arrive a heartbeat before the holder's holdings."""
+HOLDERS_WAIT_CHECKS = 50
+"""At most this many looks at the cluster state within `HOLDERS_WAIT_S` (one per change)."""
+MANIFEST_SIDECAR = ".manifest.json"
+"""In a folder fetched from peers: its manifest and the model's name, so a restarted node offers
+it again without hashing. Hidden: never a manifest path, never listed as a model file."""
+
+
+class FilesCluster(Protocol):
+    """What this module reads of the cluster (`node.cluster.ClusterService`)."""
+
+    @property
+    def me(self) -> NodeId: ...
+    @property
+    def state(self) -> ClusterState: ...
+    @property
+    def view(self) -> View: ...
+    async def wait_changed(self) -> None: ...
+    async def publish_own(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Described:
+    """A model this node holds, as a place request names it."""
+
+    manifest: Manifest
+    hub_repo: str = ""
+    """The Hugging Face repo it was downloaded from; empty for a folder or a .gguf."""
+
+
+def live_members(cluster: FilesCluster) -> set[str]:
+    """Who may download files here: the members alive or merely suspected now, and this node."""
+    members = cluster.view.members.items()
+    return {n for n, m in members if m.status in (Status.ALIVE, Status.SUSPECT)} | {cluster.me}
+
+
+def _gguf_of(source: str, resolved: ResolvedModel) -> Path | None:
+    """The .gguf a folder was imported from, recorded in its manifest (`derived_from`)."""
+    if resolved.source == "gguf":
+        return Path(source.strip()).expanduser().resolve()
+    if resolved.source == "builtin":
+        return builtin_gguf_path()
+    return None
+
+
+def _write_sidecar(folder: Path, manifest: Manifest, model: str) -> None:
+    body = {"model": model, "manifest": manifest.model_dump(mode="json")}
+    (folder / MANIFEST_SIDECAR).write_text(json.dumps(body, separators=(",", ":")), encoding="utf-8")
+
+
+def _read_sidecars(data_dir: Path) -> list[tuple[Manifest, Path]]:
+    """The fetched folders with a readable sidecar whose manifest id is the folder's name."""
+    found: list[tuple[Manifest, Path]] = []
+    root = models_dir(data_dir) / CLUSTER_SUBDIR
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            body = json.loads((folder / MANIFEST_SIDECAR).read_text(encoding="utf-8"))
+            manifest = Manifest.model_validate(body["manifest"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if manifest.id == folder.name:
+            found.append((manifest, folder))
+    return found
+
+
+class ClusterFiles:
+    def __init__(
+        self,
+        cluster: FilesCluster,
+        server: FileServer,
+        fetcher: Fetcher,
+        cache: HashCache,
+        data_dir: Path,
+        *,
+        cap_bytes: int | None = None,
+    ) -> None:
+        self._cluster = cluster
+        self.server = server
+        self.fetcher = fetcher
+        self._cache = cache
+        self._data_dir = data_dir
+        self._cap_bytes = cap_bytes
+        self._held: dict[str, tuple[Manifest, Path]] = {}
+        """manifest id -> (manifest, folder) of every offer, for advertising and for local use."""
+        self._described: dict[str, Described] = {}
+        """source -> what `describe` found, for previews (which hash nothing)."""
+
+    # --- what this node holds ------------------------------------------------------------------
+    async def describe(self, source: str) -> Described:
+        """Resolve `source`, hash the folder, offer it; raises `ValueError` or `OSError`."""
+        resolved = await trio.to_thread.run_sync(resolve_model, source, self._data_dir)
+        manifest = await trio.to_thread.run_sync(
+            functools.partial(
+                folder_manifest, resolved.path, self._cache, derived_from=_gguf_of(source, resolved)
+            )
+        )
+        await self._offer(manifest, resolved.path)
+        described = Described(manifest, resolved.name if resolved.source == "hub" else "")
+        self._described[source] = described
+        return described
+
+    def known(self, source: str) -> Described | None:
+        """What the last `describe(source)` found, without touching the disk."""
+        return self._described.get(source)
+
+    async def offer_stored(self) -> None:
+        """Offer again the folders fetched before this node (re)started."""
+        for manifest, folder in await trio.to_thread.run_sync(_read_sidecars, self._data_dir):
+            await self._offer(manifest, folder)
+
+    async def _offer(self, manifest: Manifest, folder: Path) -> None:
+        paths = await trio.to_thread.run_sync(self.server.offer, manifest, folder)
+        self._held[manifest.id] = (manifest, folder)
+        await self._cluster.publish_own()
+        log.info(
+            "serving %d of the %d file(s) of %s from %s",
+            len(paths),
+            len(manifest.files),
+            manifest.id[:12],
+            folder,
+        )
+
+    def _withdraw(self, folders: Collection[Path]) -> None:
+        gone = {Path(f).resolve() for f in folders}
+        for mid, (_manifest, folder) in list(self._held.items()):
+            if folder.resolve() in gone:
+                self.server.withdraw(mid)
+                del self._held[mid]
+
+    def members(self) -> set[str]:
+        return live_members(self._cluster)
+
+    # --- what the cluster state carries --------------------------------------------------------
+    def records(self) -> tuple[NodeHoldings, NodeTransfers]:
+        """This node's holdings and transfers records, as they are now (cheap: no disk access)."""
+        offered = self.server.offered()
+        models = []
+        for mid in sorted(offered):
+            manifest = self._held.get(mid, (None, None))[0]
+            if manifest is not None and (holding := holding_of(manifest, offered[mid])) is not None:
+                models.append(holding)
+        moves = [
+            t.model_copy(
+                update={"model": t.model[:MAX_TEXT_CHARS], "error": t.error and t.error[:MAX_ERROR_CHARS]}
+            )
+            for t in self.fetcher.board.snapshots()
+        ]
+        return NodeHoldings(tuple(models[:MAX_HOLDINGS])), NodeTransfers(tuple(moves[-MAX_TRANSFERS:]))
+
+    # --- what a stage placed here needs ----------------------------------------------------------
+    async def folder_for(self, record: InstanceRecord, stage: StageAssignment) -> Path:
+        """The folder `stage` of `record` runs from, fetched first when this node lacks files."""
+        manifest = record.manifest
+        if manifest is None:  # a record without files: every node resolves its source itself
+            return (
+                await trio.to_thread.run_sync(resolve_model, record.source or record.model, self._data_dir)
+            ).path
+        held = self._held.get(manifest.id)
+        if held is not None and self.server.offered().get(manifest.id) == {f.path for f in manifest.files}:
+            return held[1]
+        if (own := await self._own_copy(record.source or record.model, manifest)) is not None:
+            return own
+        target = cluster_model_dir(self._data_dir, manifest.id)
+        peers = await self._wait_for_holders(manifest)
+        hub = HubRef(record.hub_repo, self._data_dir) if record.hub_repo else None
+        await self._make_room(record, stage, target)
+        try:
+            if len(record.stages) == 1:
+                folder = await self.fetcher.fetch(manifest, target, peers, hub=hub, model=record.model)
+            else:
+                folder = await self.fetcher.fetch_stage(
+                    manifest,
+                    target,
+                    peers,
+                    start=stage.start_layer,
+                    end=stage.end_layer,
+                    hub=hub,
+                    model=record.model,
+                )
+        except FetchError as exc:
+            self._report(manifest, record.model, str(exc))
+            raise
+        if folder == target:
+            await trio.to_thread.run_sync(_write_sidecar, target, manifest, record.model)
+        await self._offer(manifest, folder)
+        return folder
+
+    async def _own_copy(self, source: str, manifest: Manifest) -> Path | None:
+        """The folder `source` names on this node, if it is there already with this very content
+        (a folder every node sees, an earlier import or download): nothing is imported or
+        downloaded to find out, only an existing folder hashed (cached)."""
+
+        def find() -> Path | None:
+            try:
+                located = locate_model(source, self._data_dir)
+                gguf = _gguf_of(source, located)
+                if not is_model_dir(located.path) or (gguf is not None and not gguf.is_file()):
+                    return None
+                here = folder_manifest(located.path, self._cache, derived_from=gguf)
+            except (ValueError, OSError):  # not here, or not readable: fetch it instead
+                return None
+            return located.path if here == manifest else None
+
+        if (found := await trio.to_thread.run_sync(find)) is not None:
+            await self._offer(manifest, found)
+        return found
+
+    async def _wait_for_holders(self, manifest: Manifest) -> list[Peer]:
+        """The peers that hold files of `manifest`, waiting a little for the first one (bounded)."""
+        peers = self._peers(manifest)
+        with trio.move_on_after(HOLDERS_WAIT_S):
+            for _check in range(HOLDERS_WAIT_CHECKS):
+                if peers:
+                    break
+                await self._cluster.wait_changed()
+                peers = self._peers(manifest)
+        return peers
+
+    def _peers(self, manifest: Manifest) -> list[Peer]:
+        state = self._cluster.state
+        urls = {node: profile.api_url for node, profile in state.profiles().items()}
+        live = {n for n, m in self._cluster.view.members.items() if m.status is Status.ALIVE}
+        holders = file_holders(manifest, state.holdings(), urls, live, self._cluster.me)
+        return [Peer(h.node, h.url, h.paths) for h in holders]
+
+    async def _make_room(self, record: InstanceRecord, stage: StageAssignment, target: Path) -> None:
+        """Evict unused models for what this stage may bring (`--max-model-bytes`). Its shards
+        are known only once the weight index is here, so the need is estimated from the shape."""
+        manifest = record.manifest
+        if self._cap_bytes is None or manifest is None:
+            return
+        need = manifest.total_bytes
+        if record.shape is not None and len(record.stages) > 1:
+            meta = sum(f.size for f in manifest.files if f.path in metadata_paths(manifest))
+            need = min(need, meta + record.shape.stage_bytes(stage.start_layer, stage.end_layer))
+        in_use = {r.manifest.id for r in self._cluster.state.instances().values() if r.manifest is not None}
+        keep = [target] + [folder for mid, (_m, folder) in self._held.items() if mid in in_use]
+        evicted = await trio.to_thread.run_sync(make_room, self._data_dir, need, self._cap_bytes, keep)
+        self._withdraw(evicted)
+
+    def _report(self, manifest: Manifest, model: str, reason: str) -> None:
+        """Make a failure that happened before any byte moved (no peer holds the files) show on
+        the board like one during a transfer; the caller logs it."""
+        mine = [t for t in self.fetcher.board.snapshots() if t.manifest_id == manifest.id]
+        if mine and mine[-1].state == "failed":
+            return
+        self.fetcher.board.failed(manifest_id=manifest.id, model=model, source="peers", reason=reason)

@@ -1,0 +1,210 @@
+"""Models that only one node has, served across three: real nodes, files moving between them.
+
+Node A holds the models; B and C run in mount namespaces of their own (`unshare -m`) in which A's
+model folder is an empty tmpfs, so whatever they run they must have fetched from A, into their own
+data dir (`models/cluster/<manifest id>/`). The cluster has a secret, and A an API key: peers
+download without the user's key, strangers cannot download at all. A serves files slowly (5 MB/s,
+`tests.slow_node`), so the transfers are seen in progress in `/v1/cluster`, not only done.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from node.files import HashCache, folder_manifest
+from node.files.signing import sign
+from node.models import builtin_gguf_path
+from node.net.auth import derive_key
+from protocol.manifest import INDEX_FILE, Manifest, stage_paths
+from tests.model_factory import make_random_model, sharded_copy, write_llama_gguf
+from tests.nodes import RunningNode, hidden_from, start_node
+from tests.test_instances import _tokens
+from tests.waiting import wait_until
+
+CLUSTER, SECRET, API_KEY = "files-e2e", "the cluster secret", "the user's key"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+def _can_hide_folders() -> bool:
+    """Whether this process may make mount namespaces (root, or CAP_SYS_ADMIN, and `unshare`)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"]
+    return subprocess.run(probe, capture_output=True, timeout=10, check=False).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(
+    not _can_hide_folders(), reason="needs mount namespaces (unshare -m, as root)"
+)
+
+
+@dataclass
+class Trio:
+    a: RunningNode
+    b: RunningNode
+    c: RunningNode
+    hidden: Path
+    """A's model folder; an empty tmpfs for B and C."""
+    data: dict[str, Path]
+    """node id -> data dir."""
+
+    @property
+    def nodes(self) -> list[RunningNode]:
+        return [self.a, self.b, self.c]
+
+
+def _view(node: RunningNode) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{node.base_url}/v1/cluster", headers=AUTH, timeout=10).json()
+    return body
+
+
+@pytest.fixture(scope="module")
+def trio_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+    hidden = tmp_path_factory.mktemp("only-a")
+    common = ("--cluster", CLUSTER, "--cluster-secret", SECRET)
+    env = {"HF_HUB_OFFLINE": "1"}
+    dirs = [tmp_path_factory.mktemp(name) for name in ("a", "b", "c")]
+    a = start_node(
+        *common, "--api-key", API_KEY, data_dir=dirs[0], model=None, env=env, module="tests.slow_node"
+    )
+    nodes = [a]
+    try:
+        for data_dir in dirs[1:]:
+            peer = ("--peer", a.p2p_addr)
+            nodes.append(
+                start_node(*common, *peer, data_dir=data_dir, model=None, env=env, prefix=hidden_from(hidden))
+            )
+
+        def all_alive() -> bool:
+            views = [_view(n) for n in nodes]
+            return all(sum(m["status"] == "alive" for m in v["members"]) == 3 and v["leader"] for v in views)
+
+        wait_until(all_alive, 30, "three nodes alive, with a leader")
+        yield Trio(
+            nodes[0], nodes[1], nodes[2], hidden, {n.node_id: d for n, d in zip(nodes, dirs, strict=True)}
+        )
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _place(trio: Trio, model: Path) -> dict[str, Any]:
+    created = httpx.post(
+        f"{trio.a.base_url}/v1/instances", json={"model": str(model), "nodes": 3}, headers=AUTH, timeout=120
+    )
+    assert created.status_code == 201, created.text
+    instance: dict[str, Any] = created.json()
+    assert len({s["node_id"] for s in instance["stages"]}) == 3 and instance["manifest_id"]
+    return instance
+
+
+def _wait_ready(trio: Trio, instance: dict[str, Any], watch: list[dict[str, Any]]) -> None:
+    """Until the entry's runner is ready, recording every transfer of the model A's view shows."""
+    entry = next(n for n in trio.nodes if n.node_id == instance["stages"][0]["node_id"])
+
+    def ready() -> bool:
+        for member in _view(trio.a)["members"]:
+            watch.extend(
+                {"node": member["id"], **t}
+                for t in member["transfers"]
+                if t["manifest_id"] == instance["manifest_id"]
+            )
+        return any(f"model {instance['model']} ready" in line for line in entry.log)
+
+    wait_until(ready, 120, f"{instance['model']} ready on its entry node", interval=0.1)
+
+
+def _delete(trio: Trio, instance: dict[str, Any]) -> None:
+    deleted = httpx.delete(f"{trio.a.base_url}/v1/instances/{instance['id']}", headers=AUTH, timeout=30)
+    assert deleted.status_code == 200, deleted.text
+
+
+def test_a_folder_on_one_node_serves_over_three_each_fetching_only_its_shards(
+    trio_cluster: Trio, builtin_model_dir: Path
+) -> None:
+    trio = trio_cluster
+    original = make_random_model(trio.hidden / "original", num_layers=4, tokenizer_from=builtin_model_dir)
+    model = sharded_copy(original, trio.hidden / "tiny4")  # one shard per layer, as big checkpoints come
+    manifest = folder_manifest(model, HashCache(None))
+    instance = _place(trio, model)
+    assert instance["manifest_id"] == manifest.id
+    seen: list[dict[str, Any]] = []
+    _wait_ready(trio, instance, seen)
+    reference = _tokens(trio.b, instance["model"])
+    assert reference[2] == 24
+
+    # B and C fetched, into their own data dirs, exactly what their stages need: the metadata and
+    # the shards of their layers (by the weight index), no other byte of the model.
+    index, config = (json.loads((model / name).read_text()) for name in (INDEX_FILE, "config.json"))
+    for stage in instance["stages"]:
+        if stage["node_id"] == trio.a.node_id:
+            continue
+        wanted = stage_paths(manifest, index, config, start=stage["start_layer"], end=stage["end_layer"])
+        copy = trio.data[stage["node_id"]] / "models" / "cluster" / manifest.id
+        assert {p.name for p in copy.iterdir() if not p.name.startswith(".")} == wanted
+        assert all((copy / p).read_bytes() == (model / p).read_bytes() for p in wanted)
+        shards = sum(e.size for e in manifest.subset(wanted) if e.path.endswith(".safetensors"))
+        done = [t for t in seen if t["node"] == stage["node_id"] and t["state"] == "done"]
+        assert done and done[-1]["source"] == "peers" and done[-1]["bytes_total"] == shards
+        assert sum(e.size for e in manifest.subset(wanted)) < manifest.total_bytes
+
+    # Progress moved: some node's transfer was seen part-way, its bytes growing, before it was done.
+    moving = [t for t in seen if t["state"] == "fetching" and 0 < t["bytes_done"] < t["bytes_total"]]
+    assert moving, seen[-3:]
+    node, total = moving[0]["node"], moving[0]["bytes_total"]
+    steps = [
+        t["bytes_done"]
+        for t in seen
+        if (t["node"], t["bytes_total"], t["state"]) == (node, total, "fetching")
+    ]
+    assert steps == sorted(steps) and len(set(steps)) >= 2, steps
+    assert next(m for m in _view(trio.b)["members"] if m["id"] == node)["models"]  # it serves them on
+
+    # Peers download without the user's API key (their requests are signed with the cluster key);
+    # a request not signed, or signed with another cluster's key, gets nothing.
+    _secret_guards_the_files(trio, manifest)
+    _delete(trio, instance)
+
+
+def _secret_guards_the_files(trio: Trio, manifest: Manifest) -> None:
+    path = f"/v1/files/{manifest.id}/config.json"
+    url = trio.a.base_url + path
+    right, wrong = derive_key(CLUSTER, SECRET.encode()), derive_key(CLUSTER, b"another secret")
+    as_member = httpx.get(url, headers=sign(right, "GET", path, trio.b.node_id, time.time()), timeout=10)
+    assert as_member.status_code == 200
+    assert as_member.json() == json.loads((trio.hidden / "tiny4" / "config.json").read_text())
+    assert httpx.get(url, timeout=10).status_code == 401
+    assert (
+        httpx.get(url, headers=sign(wrong, "GET", path, trio.b.node_id, time.time()), timeout=10).status_code
+        == 403
+    )
+    stranger = sign(right, "GET", path, "12D3KooWnotamember", time.time())
+    assert httpx.get(url, headers=stranger, timeout=10).status_code == 403
+
+
+def test_a_gguf_on_one_node_serves_over_three(trio_cluster: Trio, builtin_model_dir: Path) -> None:
+    trio = trio_cluster
+    original = trio.hidden / "original"  # the first test's weights, as llama.cpp would write them
+    if not original.is_dir():
+        make_random_model(original, num_layers=4, tokenizer_from=builtin_model_dir)
+    gguf = write_llama_gguf(original, trio.hidden / "tiny-gguf.gguf", tokenizer_gguf=builtin_gguf_path())
+    instance = _place(trio, gguf)  # A imports it, hashes the import (and the .gguf), serves the folder
+    assert instance["model"] == "tiny-gguf"
+    seen: list[dict[str, Any]] = []
+    _wait_ready(trio, instance, seen)
+    text, _prompt, completion_tokens = _tokens(trio.c, "tiny-gguf")
+    assert completion_tokens == 24 and text
+    for node in (trio.b, trio.c):
+        copy = trio.data[node.node_id] / "models" / "cluster" / instance["manifest_id"]
+        assert (copy / "config.json").is_file() and (copy / "model.safetensors").is_file()
+    _delete(trio, instance)
