@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -95,6 +95,17 @@ def from_validation(exc: ValidationError) -> ApiError:
     else:
         message = f"Invalid value for '{param}': {error['msg']}"
     return ApiError(400, message, param=param, code=_VALIDATION_CODES.get(error["type"], "invalid_value"))
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(kind: type[Body], body: bytes) -> Body:
+    """A JSON request body as `kind`; any problem becomes a 400 `ApiError` naming the field."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
 
 
 def from_generation_error(event: GenerationError) -> ApiError:

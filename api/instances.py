@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.backend import Backend
-from api.errors import ApiError, from_validation
+from api.errors import ApiError, from_validation, parse_body
 from api.surface import read_body
 from protocol.cluster_view import InstanceView
 from protocol.control_wire import (
@@ -83,10 +83,7 @@ class InstanceRoutes:
         return JSONResponse({"object": "list", "data": data})
 
     async def create(self, request: Request) -> Response:
-        try:
-            body = PlaceBody.model_validate_json(await read_body(request, MAX_PLACE_BODY_BYTES))
-        except ValidationError as exc:
-            raise from_validation(exc) from None
+        body = parse_body(PlaceBody, await read_body(request, MAX_PLACE_BODY_BYTES))
         return outcome_response(await self._backend.place_instance(body.model, body.nodes, preview=False))
 
     async def preview(self, request: Request) -> Response:

@@ -9,12 +9,12 @@ that relate fields to each other (a block in the wrong role, `tool_choice` namin
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from api.errors import from_validation
+from api.errors import parse_body
 
 MAX_STOP_SEQUENCES = 16
 """More than chat completions' 4 (Anthropic sets no small limit); each costs a suffix check per token."""
@@ -166,21 +166,11 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
-Model = TypeVar("Model", bound=BaseModel)
-
-
-def _parse(model: type[Model], body: bytes) -> Model:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-
-
 def parse_messages_request(body: bytes) -> MessagesRequest:
     """The body of `POST /v1/messages`; any problem becomes a 400 `ApiError` naming the field."""
-    return _parse(MessagesRequest, body)
+    return parse_body(MessagesRequest, body)
 
 
 def parse_count_request(body: bytes) -> CountTokensRequest:
     """The body of `POST /v1/messages/count_tokens` (no `max_tokens`, sampling or stream fields)."""
-    return _parse(CountTokensRequest, body)
+    return parse_body(CountTokensRequest, body)

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.backend import Backend, ModelCard
-from api.errors import ApiError
+from api.errors import ApiError, parse_body
 from api.ollama_encode import (
     NDJSON,
     OLLAMA,
@@ -29,7 +29,7 @@ from api.ollama_encode import (
 )
 from api.ollama_models import running, show, tags, version
 from api.ollama_request import chat_request, generate_request
-from api.ollama_schema import ChatBody, GenerateBody, GenerationBody, ShowBody, parse_body
+from api.ollama_schema import ChatBody, GenerateBody, GenerationBody, ShowBody
 from api.streaming import EventStream, collect
 from api.surface import CLIENT_GONE, Limits, read_body, require_model, surface_route
 from protocol.chat import GenerateRequest

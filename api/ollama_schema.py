@@ -9,12 +9,11 @@ silently ignored: images, `format` (JSON mode), `raw`, `template`, `suffix`, `co
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from api.errors import from_validation
 from api.schemas import Tool
 
 MAX_STOP_SEQUENCES = 16
@@ -207,14 +206,3 @@ class ShowBody(_In):
     model: str | None = Field(None, min_length=1)
     name: str | None = Field(None, min_length=1)
     """What older clients send instead of `model`."""
-
-
-Body = TypeVar("Body", bound=BaseModel)
-
-
-def parse_body(kind: type[Body], body: bytes) -> Body:
-    """The request body as `kind`; any problem becomes a 400 `ApiError` naming the field."""
-    try:
-        return kind.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation(exc) from None

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from api.errors import from_validation
+from api.errors import parse_body
 
 TEXT_PARTS = ("input_text", "output_text", "reasoning_text", "summary_text")
 """Content parts that are plain text; whichever an item carries, only the text is kept."""
@@ -194,7 +194,4 @@ class ResponsesRequest(_In):
 
 def parse_responses_request(body: bytes) -> ResponsesRequest:
     """The request body as a model; any problem becomes a 400 `ApiError` naming the field."""
-    try:
-        return ResponsesRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    return parse_body(ResponsesRequest, body)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from api.errors import ApiError, from_validation
+from api.errors import ApiError, parse_body
 from protocol.chat import ChatMessage, GenerateRequest, SamplingParams, ToolCallRef, ToolSpec
 from protocol.ids import ModelId, RequestId
 
@@ -143,10 +143,7 @@ class ChatCompletionRequest(_In):
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """The request body as a model; any problem becomes a 400 `ApiError` naming the field."""
-    try:
-        return ChatCompletionRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    return parse_body(ChatCompletionRequest, body)
 
 
 def _to_message(index: int, message: Message) -> ChatMessage:

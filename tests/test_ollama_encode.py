@@ -21,9 +21,10 @@ import trio
 import trio.testing
 
 from api.backend import Backend
+from api.errors import parse_body
 from api.ollama_encode import OLLAMA, Clock, Kind, OllamaCollector, OllamaEncoder
 from api.ollama_request import chat_messages
-from api.ollama_schema import ChatBody, parse_body
+from api.ollama_schema import ChatBody
 from api.streaming import EventStream
 from protocol.chat import ChatMessage, GenerateRequest
 from protocol.events import (
