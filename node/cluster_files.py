@@ -32,7 +32,7 @@ from node.files import Fetcher, FetchError, FileServer, HashCache, HubRef, Peer,
 from node.files.folders import CLUSTER_SUBDIR
 from node.files.hashing import folder_manifest
 from node.models import ResolvedModel, builtin_gguf_path, locate_model, resolve_model
-from node.models.disk import make_room
+from node.models.disk import make_room, mark_used
 from node.models.store import is_model_dir, models_dir
 from protocol.cluster import ClusterState
 from protocol.cluster_records import (
@@ -205,7 +205,15 @@ class ClusterFiles:
 
     # --- what a stage placed here needs ----------------------------------------------------------
     async def folder_for(self, record: InstanceRecord, stage: StageAssignment) -> Path:
-        """The folder `stage` of `record` runs from, fetched first when this node lacks files."""
+        """The folder `stage` of `record` runs from, fetched first when this node lacks files; a
+        store folder is marked used, which orders `--max-model-bytes` evictions (a folder the user
+        named is never written to)."""
+        folder = await self._folder_for(record, stage)
+        if folder.resolve().is_relative_to(models_dir(self._data_dir).resolve()):
+            await trio.to_thread.run_sync(mark_used, folder)
+        return folder
+
+    async def _folder_for(self, record: InstanceRecord, stage: StageAssignment) -> Path:
         manifest = record.manifest
         if manifest is None:  # a record without files: every node resolves its source itself
             return (
