@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from api.schemas import Tool
@@ -157,6 +157,14 @@ class ChatBody(GenerationBody):
     tools: list[Tool] | None = None
 
 
+_REFUSED = {
+    "template": "template (Shoal always uses the model's own chat template)",
+    "suffix": "suffix (fill-in-the-middle)",
+    "context": "context (continue a conversation with /api/chat instead)",
+}
+"""`/api/generate` fields refused whenever they are non-empty, with what to tell the user."""
+
+
 class GenerateBody(GenerationBody):
     prompt: str | None = None
     """Empty (with no `system`): Ollama's "load the model" request."""
@@ -176,25 +184,11 @@ class GenerateBody(GenerationBody):
             raise _unsupported("raw (a prompt without the model's chat template)")
         return value
 
-    @field_validator("template", mode="before")
+    @field_validator("template", "suffix", "context", mode="before")
     @classmethod
-    def _no_template(cls, value: Any) -> Any:
+    def _refused_when_given(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
-            raise _unsupported("template (Shoal always uses the model's own chat template)")
-        return value
-
-    @field_validator("suffix", mode="before")
-    @classmethod
-    def _no_suffix(cls, value: Any) -> Any:
-        if value:
-            raise _unsupported("suffix (fill-in-the-middle)")
-        return value
-
-    @field_validator("context", mode="before")
-    @classmethod
-    def _no_context(cls, value: Any) -> Any:
-        if value:
-            raise _unsupported("context (continue a conversation with /api/chat instead)")
+            raise _unsupported(_REFUSED[info.field_name or ""])
         return value
 
     @property
