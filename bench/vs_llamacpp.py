@@ -17,7 +17,7 @@ CPU case) against plain `mlx_lm.stream_generate` in a subprocess. MLX's CPU 4-bi
 generates --mlx-lm-tokens.
 
     .venv/bin/python bench/vs_llamacpp.py [--small] [--threads 2] [--models smollm2 q4_0 ...]
-        [--skip-llamacpp] [--repeats 1] [--json out.json]
+        [--skip-llamacpp] [--repeats 1] [--json out.json] [--unfused]
 """
 
 from __future__ import annotations
@@ -128,13 +128,15 @@ class Measured:
     error: str = ""
 
 
-def start_shoal(model: Path, data_dir: Path, threads: int, timeout: float) -> RunningNode:
+def start_shoal(
+    model: Path, data_dir: Path, threads: int, timeout: float, env: dict[str, str] | None = None
+) -> RunningNode:
     """`shoal run --model model` on loopback with a free port and no prefix cache; returns once
     the model is ready; raises RuntimeError with the node's reason when it cannot serve it."""
     cmd = [sys.executable, "-m", "node.cli", "run", "--api-port", "0", "--data-dir", str(data_dir)]
     cmd += ["--api-host", "127.0.0.1", "--p2p-host", "127.0.0.1", "--no-mdns", "--prefix-cache-tokens", "0"]
     cmd += ["--model", str(model)]
-    node = spawn_node(cmd, env={"SHOAL_BLAS_THREADS": str(threads)})
+    node = spawn_node(cmd, env={"SHOAL_BLAS_THREADS": str(threads), **(env or {})})
     try:
         node.base_url = node.wait_for_log(r"API listening on (http://\S+)", 120).group(1)
         end = node.wait_for_log(_NODE_END, timeout)
@@ -157,12 +159,14 @@ def shoal_request(
     return prompt / run.ttft_s, run.decode_tps, prompt, output
 
 
-def bench_shoal(model: Path, long_text: str, threads: int, repeats: int) -> Measured:
+def bench_shoal(
+    model: Path, long_text: str, threads: int, repeats: int, env: dict[str, str] | None = None
+) -> Measured:
     result = Measured()
     with tempfile.TemporaryDirectory(prefix="shoal-vs-llamacpp-") as tmp:
         started = time.perf_counter()
         try:
-            node = start_shoal(model, Path(tmp), threads, timeout=1200)
+            node = start_shoal(model, Path(tmp), threads, timeout=1200, env=env)
         except (RuntimeError, AssertionError) as exc:
             result.error = str(exc).splitlines()[0][:300]
             return result
@@ -333,6 +337,9 @@ def main() -> None:
     parser.add_argument("--mlx-lm-prompt-tokens", type=int, default=64, help="mlx-lm's prefill prompt")
     parser.add_argument("--mlx-lm-tokens", type=int, default=16, help="tokens mlx-lm generates")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--unfused", action="store_true", help="also Shoal with SHOAL_FUSED_LAYERS=0 (a base)"
+    )
     args = parser.parse_args()
 
     threads = args.threads
@@ -359,6 +366,12 @@ def main() -> None:
         note = f"Shoal prompt {shoal.prompt_tokens} tokens, llama.cpp pp{PROMPT_TOKENS} / tg{OUTPUT_TOKENS}"
         results.append(Result(label, "llama.cpp", base, shoal, read, note))
         print(f"  done: llama.cpp {asdict(base)}\n        shoal {asdict(shoal)}", flush=True)
+        if args.unfused:
+            print("  shoal, layers not fused ...", flush=True)
+            unfused = bench_shoal(path, long_text, threads, args.repeats, env={"SHOAL_FUSED_LAYERS": "0"})
+            results.append(
+                Result(label, "unfused", unfused, shoal, read, "base: Shoal with SHOAL_FUSED_LAYERS=0")
+            )
     if "mlx4" in args.models:
         folder = prepare_mlx4(args.small)
         label = folder.name.replace("-mlx4", " mlx4-g64")

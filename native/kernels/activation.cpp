@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "fused.h"
+#include "layers.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
 
@@ -31,15 +32,18 @@ void FusedSiLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   encoder.set_input_array(x);
   encoder.set_output_array(out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), y = out.data<float>(), n = static_cast<long>(x.size())]() {
-    const float* src = x.data<float>();
-    const FusedKernels& k = active_fused();
-    Pool& pool = Pool::instance();
-    const int tasks = n < kParallelMin ? 1 : pool.threads() * kTasksPerThread;
-    const long per = (n + tasks - 1) / tasks / 8 * 8 + 8;
-    pool.run(tasks, [&](int t) {
-      const long lo = t * per, hi = std::min(n, lo + per);
-      if (lo < hi) k.silu(src + lo, hi - lo, y + lo);
-    });
+    silu_into(x.data<float>(), n, y);
+  });
+}
+
+void silu_into(const float* x, long n, float* y) {
+  const FusedKernels& k = active_fused();
+  Pool& pool = Pool::instance();
+  const int tasks = n < kParallelMin ? 1 : pool.threads() * kTasksPerThread;
+  const long per = (n + tasks - 1) / tasks / 8 * 8 + 8;
+  pool.run(tasks, [&](int t) {
+    const long lo = t * per, hi = std::min(n, lo + per);
+    if (lo < hi) k.silu(x + lo, hi - lo, y + lo);
   });
 }
 

@@ -12,17 +12,17 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace shoal {
-
 namespace {
 
-#ifndef SHOAL_PREFETCH
-#define SHOAL_PREFETCH 1024
+#ifndef SHOAL_PREFETCH  // bytes ahead of the weight stream (-DSHOAL_PREFETCH=... to tune)
+#define SHOAL_PREFETCH 4096
 #endif
-constexpr int kPrefetchBytes = SHOAL_PREFETCH;  // ahead of the weight stream
+constexpr int kPrefetchBytes = SHOAL_PREFETCH;
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -43,37 +43,23 @@ inline float bf16_scalar(uint16_t v) {
   return f;
 }
 
-// `count` scale values starting at index `at` as floats.
-void to_floats(const void* p, ScaleType t, long at, int count, float* out) {
-  if (t == ScaleType::F32) {
-    std::memcpy(out, static_cast<const float*>(p) + at, sizeof(float) * count);
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(p) + at;
-  int i = 0;
-  for (; i + 8 <= count; i += 8) {
-    __m256 v = t == ScaleType::F16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)))
-                                   : load_bf16x8(h + i);
-    _mm256_storeu_ps(out + i, v);
-  }
-  for (; i < count; i++) out[i] = t == ScaleType::F16 ? _cvtsh_ss(h[i]) : bf16_scalar(h[i]);
+// Scale (or bias) values i .. i + 7, and value i, as floats: read where they are stored, in the
+// product's prologue, so no pass converts them into a buffer first (that pass waited on DRAM).
+inline __m256 scales8(const void* p, ScaleType t, long i) {
+  if (t == ScaleType::F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+  return t == ScaleType::F16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))) : load_bf16x8(h);
 }
 
-// b = -2^(bits-1) s for weights that come without biases.
-void symmetric_biases(const Weights& w, const float* s, int groups, float* b) {
-  const float z = symmetric_bias(w, 1.0f);
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(b + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_set1_ps(z)));
-  for (; g < groups; g++) b[g] = z * s[g];
+inline float scale1(const void* p, ScaleType t, long i) {
+  if (t == ScaleType::F32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return t == ScaleType::F16 ? _cvtsh_ss(h) : bf16_scalar(h);
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = hsum(acc);
-  for (; i < n; i++) sum += a[i] * b[i];
-  return sum;
+// Biases i .. i + 7 given scales s: stored, or b = -2^(bits-1) s for symmetric weights.
+inline __m256 biases8(const Weights& w, long i, __m256 s, float z) {
+  return w.biases ? scales8(w.biases, w.scale_type, i) : _mm256_mul_ps(s, _mm256_set1_ps(z));
 }
 
 // The int32 products of one 32-weight chunk with one row of xq, in its affine_position order:
@@ -145,27 +131,42 @@ __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const i
 // scale x activation scale (sxc) and added to one of two float accumulators per row of x,
 // alternating, so that no FMA waits on its predecessor. The same order for any MB.
 template <int BITS, int MB>
-inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, const float* s,
-                       const float* b, float* sxc, float* y, long ldy, int n, int m0) {
+inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, float* sxc, float* y, long ldy, int n,
+                       int m0) {
   const int K = w.K, groups = a.groups, chunks = K / 32, per_group = w.group_size / 32;
-  for (int m = 0; m < MB; m++) {
-    const float* xs = a.xscale + static_cast<long>(m0 + m) * groups;
-    float* out = sxc + m * chunks;
-    int g = 0;
-    for (; g + 8 <= groups; g += 8) {  // 8 groups' products, each repeated for its chunks
-      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(xs + g));
+  const long at = static_cast<long>(n) * groups;  // the row's first scale
+  const float z = symmetric_bias(w, 1.0f);
+  float* bias_sum = sxc + MB * chunks;  // per row of x: the sum over groups of bias x activation sum
+  __m256 bsum[MB];
+  for (int m = 0; m < MB; m++) bsum[m] = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) {  // 8 groups' products, each repeated for its chunks
+    const __m256 s = scales8(w.scales, w.scale_type, at + g), b = biases8(w, at + g, s, z);
+    for (int m = 0; m < MB; m++) {
+      const long r = static_cast<long>(m0 + m) * groups + g;
+      bsum[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(a.xsum + r), bsum[m]);
+      const __m256 v = _mm256_mul_ps(s, _mm256_loadu_ps(a.xscale + r));
+      float* out = sxc + m * chunks + g * per_group;
       if (per_group == 1) {
-        _mm256_storeu_ps(out + g, v);
+        _mm256_storeu_ps(out, v);
         continue;
       }
       const int(*lanes)[8] = per_group == 2 ? kRepeat2 : kRepeat4;
       for (int j = 0; j < per_group; j++) {
         const __m256i index = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[j]));
-        _mm256_storeu_ps(out + g * per_group + j * 8, _mm256_permutevar8x32_ps(v, index));
+        _mm256_storeu_ps(out + j * 8, _mm256_permutevar8x32_ps(v, index));
       }
     }
-    for (; g < groups; g++)
-      for (int c = 0; c < per_group; c++) out[g * per_group + c] = s[g] * xs[g];
+  }
+  for (int m = 0; m < MB; m++) bias_sum[m] = hsum(bsum[m]);
+  for (; g < groups; g++) {
+    const float s = scale1(w.scales, w.scale_type, at + g);
+    const float b = w.biases ? scale1(w.biases, w.scale_type, at + g) : z * s;
+    for (int m = 0; m < MB; m++) {
+      const long r = static_cast<long>(m0 + m) * groups + g;
+      bias_sum[m] += b * a.xsum[r];
+      for (int c = 0; c < per_group; c++) sxc[m * chunks + g * per_group + c] = s * a.xscale[r];
+    }
   }
   // acc0 takes pairs 0, 2, 4, ..., acc1 pairs 1, 3, ...: the loop is unrolled so that both stay in
   // registers (indexing one array by the pair's parity kept them on the stack).
@@ -175,7 +176,8 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, cons
   const float* sx = sxc;
   int c = 0;
   for (; c + 4 <= chunks; c += 4) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes), _MM_HINT_T0);
+    for (int line = 0; line < BITS * 16; line += 64)  // 4 chunks: one cache line (4-bit) or two
+      _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes + line), _MM_HINT_T0);
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c + 2, acc1);
   }
@@ -190,9 +192,7 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, cons
       into[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sx + m * chunks + c), into[m]);
     }
   }
-  for (int m = 0; m < MB; m++)
-    y[(m0 + m) * ldy + n] =
-        hsum(_mm256_add_ps(acc0[m], acc1[m])) + dot(b, a.xsum + static_cast<long>(m0 + m) * groups, groups);
+  for (int m = 0; m < MB; m++) y[(m0 + m) * ldy + n] = hsum(_mm256_add_ps(acc0[m], acc1[m])) + bias_sum[m];
 }
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).
@@ -206,6 +206,7 @@ inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float
   };
   int k = 0;
   for (; k + 16 <= K; k += 16) {
+    if (!(k & 16)) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);  // a line
     __m256 w0 = load(k), w1 = load(k + 8);
     for (int m = 0; m < MB; m++) {
       const float* x = a.x + static_cast<long>(m0 + m) * K + k;
@@ -224,14 +225,13 @@ inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float
 // Rows of x in blocks of at most 4 per pass over a weight row (more would spill registers; the
 // row is still in L1 for the second pass).
 template <int MB>
-void row_block(const Weights& w, const Acts& a, const uint8_t* row, const float* s, const float* b,
-               float* sx, float* y, long ldy, int n, int m0) {
+void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
   switch (w.format) {
     case Format::Affine4:
-      affine_row<4, MB>(w, a, row, s, b, sx, y, ldy, n, m0);
+      affine_row<4, MB>(w, a, row, sx, y, ldy, n, m0);
       break;
     case Format::Affine8:
-      affine_row<8, MB>(w, a, row, s, b, sx, y, ldy, n, m0);
+      affine_row<8, MB>(w, a, row, sx, y, ldy, n, m0);
       break;
     case Format::F16:
       half_row<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
@@ -242,43 +242,15 @@ void row_block(const Weights& w, const Acts& a, const uint8_t* row, const float*
   }
 }
 
+using BlockFn = void (*)(const Weights&, const Acts&, const uint8_t*, float*, float*, long, int, int);
+constexpr BlockFn kBlocks[4] = {row_block<1>, row_block<2>, row_block<3>, row_block<4>};
+
 void avx2_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
-  const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;
-  const int groups = affine ? a.groups : 0;
-  thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(2) * groups + static_cast<size_t>(4) * (w.K / 32) + 8);
-  float *s_buf = buffer.data(), *b_buf = s_buf + groups, *sx = b_buf + groups;
-  const float *s = s_buf, *b = b_buf;
+  thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
+  sx.resize(static_cast<size_t>(4) * (w.K / 32) + 8);
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
-    const long at = static_cast<long>(n) * groups;
-    if (affine && w.scale_type == ScaleType::F32 && w.biases) {  // float32 scales are read where they are
-      s = static_cast<const float*>(w.scales) + at;
-      b = static_cast<const float*>(w.biases) + at;
-    } else if (affine) {
-      to_floats(w.scales, w.scale_type, at, groups, s_buf);
-      s = s_buf;
-      if (w.biases) {
-        to_floats(w.biases, w.scale_type, at, groups, b_buf);
-      } else {
-        symmetric_biases(w, s_buf, groups, b_buf);
-      }
-    }
-    for (int m0 = 0; m0 < a.M; m0 += 4) {
-      switch (a.M - m0 < 4 ? a.M - m0 : 4) {
-        case 1:
-          row_block<1>(w, a, row, s, b, sx, y, ldy, n, m0);
-          break;
-        case 2:
-          row_block<2>(w, a, row, s, b, sx, y, ldy, n, m0);
-          break;
-        case 3:
-          row_block<3>(w, a, row, s, b, sx, y, ldy, n, m0);
-          break;
-        default:
-          row_block<4>(w, a, row, s, b, sx, y, ldy, n, m0);
-      }
-    }
+    for (int m0 = 0; m0 < a.M; m0 += 4) kBlocks[std::min(4, a.M - m0) - 1](w, a, row, sx.data(), y, ldy, n, m0);
   }
 }
 
@@ -286,9 +258,7 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   const int K = w.K;
   const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;
   const int groups = affine ? K / w.group_size : 0;
-  thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(2) * groups + 8);
-  float *s = buffer.data(), *b = s + groups;
+  const float z = symmetric_bias(w, 1.0f);
   const __m128i mask = _mm_set1_epi8(0x0f);
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
@@ -302,15 +272,10 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
       }
       continue;
     }
-    to_floats(w.scales, w.scale_type, static_cast<long>(n) * groups, groups, s);
-    if (w.biases) {
-      to_floats(w.biases, w.scale_type, static_cast<long>(n) * groups, groups, b);
-    } else {
-      symmetric_biases(w, s, groups, b);
-    }
     for (int k = 0; k < K; k += 32) {  // 32 weights at a time, in element order
-      const int g = k / w.group_size;
-      const __m256 sv = _mm256_set1_ps(s[g]), bv = _mm256_set1_ps(b[g]);
+      const long g = static_cast<long>(n) * groups + k / w.group_size;
+      const float s = scale1(w.scales, w.scale_type, g);
+      const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(w.biases ? scale1(w.biases, w.scale_type, g) : z * s);
       __m128i bytes[2];
       if (w.format == Format::Affine4) {
         __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));

@@ -3,9 +3,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "fused.h"
+#include "layers.h"
 #include "matmul.h"
 
 namespace nb = nanobind;
@@ -31,5 +34,13 @@ NB_MODULE(_kernels, m) {
         "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
         "mx.fast.scaled_dot_product_attention on the CPU, rows split over the pool; float32 out.");
   m.def("silu", &shoal::silu, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "nn.silu on the CPU in one pass.");
+  // A decoder layer in two operations (node/cpu/fused_layers.py). A projection is the tuple
+  // (weight, scales, biases, bias, group_size, bits), absent parts None.
+  m.def("decoder_head", &shoal::decoder_head, "x"_a, "norm_weight"_a, "eps"_a, "projections"_a, "heads"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "rms_norm(x) * w, then each projection (+ bias) as [B, heads, L, head_dim].");
+  m.def("decoder_tail", &shoal::decoder_tail, "attention"_a, "x"_a, "o"_a, "norm_weight"_a, "eps"_a, "gate"_a,
+        "up"_a, "down"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "h = x + o(attention); h + down(silu(gate(n)) * up(n)) with n = rms_norm(h) * w.");
   m.def("fused_kernel_name", [] { return std::string(shoal::active_fused().name); });
 }

@@ -100,6 +100,8 @@ void tiled_product(const Weights& w, const float* x, int M, float* y) {
   });
 }
 
+}  // namespace
+
 // x as a row-major float buffer: its own data when it already is, else a strided copy.
 const float* row_major(const mx::array& x, std::vector<float>& copy) {
   if (x.flags().row_contiguous) return x.data<float>();
@@ -117,7 +119,48 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
   return copy.data();
 }
 
-}  // namespace
+void product(const Weights& w, const float* x, int M, float* y) {
+  if (M > kMaxRows && sgemm) {
+    tiled_product(w, x, M, y);
+  } else {
+    small_product(w, x, M, y);
+  }
+}
+
+WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scales,
+                       const std::optional<mx::array>& biases, int group_size, int bits) {
+  Format format = format_of(w.dtype(), bits);
+  if (w.ndim() != 2) throw std::invalid_argument("[shoal_matmul] w must be 2-D");
+  const int N = w.shape(0);
+  const int K = is_affine(format) ? w.shape(1) * 32 / bits : w.shape(1);
+  if (is_affine(format)) {
+    if (!scales) throw std::invalid_argument("[shoal_matmul] affine weights need scales");
+    if (group_size != 32 && group_size != 64 && group_size != 128)
+      throw std::invalid_argument("[shoal_matmul] group size must be 32, 64 or 128");
+    const int groups = K / group_size;
+    if (scales->shape() != mx::Shape{N, groups} ||
+        (biases && (biases->shape() != scales->shape() || biases->dtype() != scales->dtype())))
+      throw std::invalid_argument("[shoal_matmul] scales and biases must both be [N, K / group_size], one dtype");
+    scale_type_of(scales->dtype());
+  } else if (K % 8 != 0) {
+    throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
+  }
+  return {format, is_affine(format) ? group_size : 0, N, K};
+}
+
+Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* scales, const mx::array* biases) {
+  for (const mx::array* a : {&w, scales, biases})
+    if (a && !a->flags().row_contiguous)
+      throw std::invalid_argument("[shoal_matmul] weights, scales and biases must be row-contiguous");
+  Weights weights{spec.format, w.data<uint8_t>(), static_cast<long>(spec.K) * bits_of(spec.format) / 8,
+                  nullptr, nullptr, ScaleType::F32, spec.group_size, spec.N, spec.K};
+  if (is_affine(spec.format)) {
+    weights.scales = scales->data<void>();
+    weights.biases = biases ? biases->data<void>() : nullptr;
+    weights.scale_type = scale_type_of(scales->dtype());
+  }
+  return weights;
+}
 
 const Kernels& active_kernels() {
   static const Kernels* chosen = [] {
@@ -158,32 +201,19 @@ std::string set_blas_library(const std::string& path) {
 
 mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
                         const std::optional<mx::array>& biases, int group_size, int bits, mx::StreamOrDevice s) {
-  Format format = format_of(w.dtype(), bits);
-  if (w.ndim() != 2) throw std::invalid_argument("[shoal_matmul] w must be 2-D");
+  const WeightSpec spec = weight_spec(w, scales, biases, group_size, bits);
   if (x.ndim() < 1) throw std::invalid_argument("[shoal_matmul] x must have at least one dimension");
-  const int N = w.shape(0);
-  const int K = is_affine(format) ? w.shape(1) * 32 / bits : w.shape(1);
-  if (x.shape(-1) != K)
+  if (x.shape(-1) != spec.K)
     throw std::invalid_argument("[shoal_matmul] x has " + std::to_string(x.shape(-1)) + " features, w " +
-                                std::to_string(K));
+                                std::to_string(spec.K));
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), w};
-  if (is_affine(format)) {
-    if (!scales) throw std::invalid_argument("[shoal_matmul] affine weights need scales");
-    if (group_size != 32 && group_size != 64 && group_size != 128)
-      throw std::invalid_argument("[shoal_matmul] group size must be 32, 64 or 128");
-    const int groups = K / group_size;
-    if (scales->shape() != mx::Shape{N, groups} ||
-        (biases && (biases->shape() != scales->shape() || biases->dtype() != scales->dtype())))
-      throw std::invalid_argument("[shoal_matmul] scales and biases must both be [N, K / group_size], one dtype");
-    scale_type_of(scales->dtype());
+  if (is_affine(spec.format)) {
     inputs.push_back(*scales);
     if (biases) inputs.push_back(*biases);  // none: symmetric, b = -2^(bits-1) s
-  } else if (K % 8 != 0) {
-    throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
   }
   mx::Shape out_shape = x.shape();
-  out_shape.back() = N;
-  auto primitive = std::make_shared<WeightMatmul>(mx::to_stream(s), format, is_affine(format) ? group_size : 0);
+  out_shape.back() = spec.N;
+  auto primitive = std::make_shared<WeightMatmul>(mx::to_stream(s), spec.format, spec.group_size);
   return mx::array(out_shape, mx::float32, primitive, std::move(inputs));
 }
 
@@ -191,29 +221,17 @@ void WeightMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   const mx::array& x = inputs[0];
   const mx::array& w = inputs[1];
   mx::array& out = outputs[0];
-  for (size_t i = 1; i < inputs.size(); i++)
-    if (!inputs[i].flags().row_contiguous)
-      throw std::invalid_argument("[shoal_matmul] weights, scales and biases must be row-contiguous");
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const int N = w.shape(0), K = x.shape(-1), M = static_cast<int>(x.size() / K);
-  Weights weights{format_, w.data<uint8_t>(), static_cast<long>(K) * bits_of(format_) / 8, nullptr, nullptr,
-                  ScaleType::F32, group_size_, N, K};
-  if (is_affine(format_)) {
-    weights.scales = inputs[2].data<void>();
-    weights.biases = inputs.size() > 3 ? inputs[3].data<void>() : nullptr;
-    weights.scale_type = scale_type_of(inputs[2].dtype());
-  }
+  const bool affine = is_affine(format_);
+  const Weights weights = weights_of({format_, group_size_, N, K}, w, affine ? &inputs[2] : nullptr,
+                                     affine && inputs.size() > 3 ? &inputs[3] : nullptr);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
   encoder.dispatch([weights, x = mx::array::unsafe_weak_copy(x), y = out.data<float>(), M]() {
     thread_local std::vector<float> copy;
-    const float* xs = row_major(x, copy);
-    if (M > kMaxRows && sgemm) {
-      tiled_product(weights, xs, M, y);
-    } else {
-      small_product(weights, xs, M, y);
-    }
+    product(weights, row_major(x, copy), M, y);
   });
 }
 

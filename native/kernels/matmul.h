@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 #include "mlx/mlx.h"
@@ -35,6 +36,21 @@ class WeightMatmul : public mx::Primitive {
 mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
                         const std::optional<mx::array>& biases, int group_size, int bits,
                         mx::StreamOrDevice s = {});
+
+// One stored weight's layout, checked (std::invalid_argument names what is wrong).
+struct WeightSpec {
+  Format format;
+  int group_size;  // 0 for 16-bit weights
+  int N, K;
+};
+WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scales,
+                       const std::optional<mx::array>& biases, int group_size, int bits);
+// The kernels' view of evaluated arrays (scales null for 16-bit weights, biases null when symmetric).
+Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* scales, const mx::array* biases);
+// y[M, N] = x[M, K] @ W.T on the pool: the rows kernel up to kMaxRows rows, else sgemm tiles.
+void product(const Weights& w, const float* x, int M, float* y);
+// x as a row-major float buffer: its own data when it already is, else a strided copy into `copy`.
+const float* row_major(const mx::array& x, std::vector<float>& copy);
 
 // Load the sgemm the prefill path uses (an OpenBLAS: `scipy_cblas_sgemm` or `cblas_sgemm`).
 // Returns an empty string on success, else why not (the prefill path then uses `rows`).

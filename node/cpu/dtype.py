@@ -31,6 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from node.cpu.fused import install_fused_ops
+from node.cpu.fused_layers import fuse_decoder_layers
 from node.cpu.kernel_layers import (
     KernelHalfEmbedding,
     KernelHalfLinear,
@@ -232,6 +233,9 @@ def _keep_as_stored(
     for name, module in rest:
         model.update_modules(tree_unflatten([(name, _dequantized(module))]))
     _small_to_float32(model)
+    fused = fuse_decoder_layers(model, kernels.module)
+    if fused:
+        note += f"; {fused} decoder layers fused"
     held = sum(v.nbytes for _, layer in swapped for _, v in _flat(layer))
     return DtypeDecision(
         False,

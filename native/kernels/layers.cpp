@@ -1,0 +1,249 @@
+// The decoder-layer primitives (layers.h): each evaluates its whole chain in one task on MLX's CPU
+// stream, the products split over the pool as `weight_matmul` splits them.
+#include "layers.h"
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+#include "fused.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
+
+namespace shoal {
+
+namespace {
+
+constexpr long kParallelMinWork = 1l << 17;  // values: below this one thread beats waking the pool
+
+ProjectionDesc describe(const Projection& p, int K, const char* what) {
+  const auto& [w, scales, biases, bias, group_size, bits] = p;
+  ProjectionDesc d{weight_spec(w, scales, biases, group_size, bits), scales.has_value(), biases.has_value(),
+                   bias.has_value()};
+  if (d.spec.K != K)
+    throw std::invalid_argument(std::string("[shoal decoder] ") + what + " takes " + std::to_string(d.spec.K) +
+                                " features, its input has " + std::to_string(K));
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != d.spec.N))
+    throw std::invalid_argument(std::string("[shoal decoder] ") + what + "'s bias must be [N]");
+  return d;
+}
+
+void push(const Projection& p, std::vector<mx::array>& inputs, mx::StreamOrDevice s) {
+  const auto& [w, scales, biases, bias, group_size, bits] = p;
+  inputs.push_back(w);
+  if (scales) inputs.push_back(*scales);
+  if (biases) inputs.push_back(*biases);
+  if (bias) inputs.push_back(mx::astype(*bias, mx::float32, s));
+}
+
+// A projection's evaluated arrays, read from `inputs` at `at` (advanced past them).
+struct Bound {
+  Weights weights;
+  const float* bias;
+};
+
+Bound bound_at(const ProjectionDesc& d, const std::vector<mx::array>& inputs, size_t& at) {
+  const mx::array& w = inputs[at++];
+  const mx::array* scales = d.scales ? &inputs[at++] : nullptr;
+  const mx::array* biases = d.biases ? &inputs[at++] : nullptr;
+  const float* bias = d.bias ? inputs[at++].data<float>() : nullptr;
+  return {weights_of(d.spec, w, scales, biases), bias};
+}
+
+// y = (x * rsqrt(mean(x^2) + eps)) * w per row, exactly as FusedRMSNorm computes it.
+void rms_rows(const float* x, long rows, int D, const float* w, float eps, float* y) {
+  const FusedKernels& k = active_fused();
+  auto body = [&](long r0, long r1) {
+    for (long r = r0; r < r1; r++) {
+      const float* xr = x + r * D;
+      float* yr = y + r * D;
+      const float inv = 1.0f / std::sqrt(k.sumsq(xr, D) / static_cast<float>(D) + eps);
+      for (int j = 0; j < D; j++) yr[j] = (xr[j] * inv) * w[j];
+    }
+  };
+  Pool& pool = Pool::instance();
+  if (pool.threads() == 1 || rows < 2 || rows * D < kParallelMinWork) {
+    body(0, rows);
+    return;
+  }
+  const long tasks = std::min<long>(rows, 4l * pool.threads()), per = (rows + tasks - 1) / tasks;
+  pool.run(static_cast<int>((rows + per - 1) / per), [&](int t) { body(t * per, std::min(rows, (t + 1) * per)); });
+}
+
+void add_into(float* y, const float* a, const float* b, long n) {  // y = a + b, as MLX's add
+  for (long i = 0; i < n; i++) y[i] = a[i] + b[i];
+}
+
+float* buffer(std::vector<float>& v, long n) {
+  v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// A prefill chunk's intermediates are tens of MB: kept between calls they would stay resident for
+// good (the unfused layers freed theirs after each operation). A decode step's few KB are kept.
+constexpr size_t kKeptFloats = 1 << 18;
+void release_large(std::initializer_list<std::vector<float>*> buffers) {
+  for (auto* v : buffers)
+    if (v->capacity() > kKeptFloats) std::vector<float>().swap(*v);
+}
+
+const float* weight_row(const mx::array& w, std::vector<float>& copy) {
+  copy.resize(w.shape(0));
+  for (int j = 0; j < w.shape(0); j++) copy[j] = w.data<float>()[j * w.strides()[0]];
+  return copy.data();
+}
+
+void check_norm(const mx::array& x, const mx::array& weight) {
+  if (x.ndim() != 3) throw std::invalid_argument("[shoal decoder] x must be [B, L, E]");
+  if (weight.ndim() != 1 || weight.shape(0) != x.shape(2))
+    throw std::invalid_argument("[shoal decoder] the norm weight must be [E]");
+}
+
+}  // namespace
+
+std::vector<mx::array> decoder_head(const mx::array& x, const mx::array& norm_weight, float eps,
+                                    const std::vector<Projection>& projections, const std::vector<int>& heads,
+                                    mx::StreamOrDevice s) {
+  check_norm(x, norm_weight);
+  if (projections.empty() || projections.size() != heads.size())
+    throw std::invalid_argument("[shoal decoder_head] give one head count per projection");
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), mx::astype(norm_weight, mx::float32, s)};
+  std::vector<ProjectionDesc> descs;
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < projections.size(); i++) {
+    descs.push_back(describe(projections[i], x.shape(2), "a projection"));
+    if (heads[i] <= 0 || descs.back().spec.N % heads[i])
+      throw std::invalid_argument("[shoal decoder_head] a projection's outputs do not split into its heads");
+    push(projections[i], inputs, s);
+    shapes.push_back({x.shape(0), heads[i], x.shape(1), descs.back().spec.N / heads[i]});
+  }
+  auto primitive = std::make_shared<DecoderHead>(mx::to_stream(s), eps, std::move(descs), heads);
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(heads.size(), mx::float32), primitive,
+                                inputs);
+}
+
+void DecoderHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) encoder.set_output_array(out);
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  for (const auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+  encoder.dispatch([in = std::move(in), out = std::move(out), descs = projections_, heads = heads_, eps = eps_]() mutable {
+    thread_local std::vector<float> xcopy, wcopy, normed, tmp;
+    const mx::array& x = in[0];
+    const int B = x.shape(0), L = x.shape(1), E = x.shape(2), M = B * L;
+    float* xn = buffer(normed, static_cast<long>(M) * E);
+    rms_rows(row_major(x, xcopy), M, E, weight_row(in[1], wcopy), eps, xn);
+    size_t at = 2;
+    for (size_t i = 0; i < descs.size(); i++) {
+      const Bound p = bound_at(descs[i], in, at);
+      const int N = descs[i].spec.N, H = heads[i], D = N / H;
+      float* y = out[i].data<float>();
+      float* dst = L == 1 ? y : buffer(tmp, static_cast<long>(M) * N);  // one token: [B, N] is [B, H, 1, D]
+      product(p.weights, xn, M, dst);
+      if (p.bias)
+        for (long r = 0; r < M; r++) add_into(dst + r * N, dst + r * N, p.bias, N);
+      if (L == 1) continue;
+      for (int b = 0; b < B; b++)  // [B, L, H, D] -> [B, H, L, D]
+        for (int l = 0; l < L; l++)
+          for (int h = 0; h < H; h++)
+            std::copy_n(dst + ((static_cast<long>(b) * L + l) * N + h * D), D,
+                        y + ((static_cast<long>(b) * H + h) * L + l) * D);
+    }
+    release_large({&xcopy, &normed, &tmp});
+  });
+}
+
+std::vector<mx::Shape> DecoderHead::output_shapes(const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < heads_.size(); i++)
+    shapes.push_back({inputs[0].shape(0), heads_[i], inputs[0].shape(1), projections_[i].spec.N / heads_[i]});
+  return shapes;
+}
+
+mx::array decoder_tail(const mx::array& attention, const mx::array& x, const Projection& o,
+                       const mx::array& norm_weight, float eps, const Projection& gate, const Projection& up,
+                       const Projection& down, mx::StreamOrDevice s) {
+  check_norm(x, norm_weight);
+  if (attention.ndim() != 3 || attention.shape(0) != x.shape(0) || attention.shape(1) != x.shape(1))
+    throw std::invalid_argument("[shoal decoder_tail] attention must be [B, L, A] with x's B and L");
+  const int E = x.shape(2);
+  std::vector<ProjectionDesc> descs{describe(o, attention.shape(2), "o"), describe(gate, E, "gate"),
+                                    describe(up, E, "up")};
+  descs.push_back(describe(down, descs[1].spec.N, "down"));
+  if (descs[0].spec.N != E || descs[2].spec.N != descs[1].spec.N || descs[3].spec.N != E)
+    throw std::invalid_argument("[shoal decoder_tail] o, gate, up and down do not chain");
+  for (const auto& d : descs)
+    if (d.bias) throw std::invalid_argument("[shoal decoder_tail] projections with a bias are not fused");
+  std::vector<mx::array> inputs{mx::astype(attention, mx::float32, s), mx::astype(x, mx::float32, s),
+                                mx::astype(norm_weight, mx::float32, s)};
+  for (const Projection* p : {&o, &gate, &up, &down}) push(*p, inputs, s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderTail>(mx::to_stream(s), eps, std::move(descs)),
+                   std::move(inputs));
+}
+
+void DecoderTail::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& result = outputs[0];
+  result.set_data(mx::allocator::malloc(result.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(result);
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  encoder.dispatch([in = std::move(in), y = result.data<float>(), descs = projections_, eps = eps_]() {
+    thread_local std::vector<float> acopy, xcopy, wcopy, hbuf, nbuf, gbuf, ubuf, dbuf;
+    const mx::array& x = in[1];
+    const long M = static_cast<long>(x.shape(0)) * x.shape(1);
+    const int E = x.shape(2), I = descs[1].spec.N;
+    size_t at = 3;
+    const Bound o = bound_at(descs[0], in, at), gate = bound_at(descs[1], in, at);
+    const Bound up = bound_at(descs[2], in, at), down = bound_at(descs[3], in, at);
+    const float* xs = row_major(x, xcopy);
+    float* h = buffer(hbuf, M * E);
+    product(o.weights, row_major(in[0], acopy), static_cast<int>(M), h);
+    add_into(h, xs, h, M * E);  // h = x + o(attention)
+    float* n = buffer(nbuf, M * E);
+    rms_rows(h, M, E, weight_row(in[2], wcopy), eps, n);
+    float* g = buffer(gbuf, M * I);
+    float* u = buffer(ubuf, M * I);
+    product(gate.weights, n, static_cast<int>(M), g);
+    product(up.weights, n, static_cast<int>(M), u);
+    silu_into(g, M * I, g);  // in place: each value is read before it is written
+    for (long i = 0; i < M * I; i++) g[i] = g[i] * u[i];  // swiglu: silu(gate) * up
+    float* d = buffer(dbuf, M * E);
+    product(down.weights, g, static_cast<int>(M), d);
+    add_into(y, h, d, M * E);  // out = h + down(...)
+    release_large({&acopy, &xcopy, &hbuf, &nbuf, &gbuf, &ubuf, &dbuf});
+  });
+}
+
+void DecoderHead::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) { no_gpu(name()); }
+void DecoderTail::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) { no_gpu(name()); }
+
+namespace {
+bool same_specs(const std::vector<ProjectionDesc>& a, const std::vector<ProjectionDesc>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); i++)
+    if (a[i].spec.format != b[i].spec.format || a[i].spec.group_size != b[i].spec.group_size ||
+        a[i].spec.N != b[i].spec.N || a[i].spec.K != b[i].spec.K || a[i].scales != b[i].scales ||
+        a[i].biases != b[i].biases || a[i].bias != b[i].bias)
+      return false;
+  return true;
+}
+}  // namespace
+
+bool DecoderHead::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecoderHead&>(other);
+  return eps_ == o.eps_ && heads_ == o.heads_ && same_specs(projections_, o.projections_);
+}
+
+bool DecoderTail::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecoderTail&>(other);
+  return eps_ == o.eps_ && same_specs(projections_, o.projections_);
+}
+
+}  // namespace shoal

@@ -1,0 +1,142 @@
+"""Llama-family decoder layers on the CPU as two native operations each, instead of ~27.
+
+Each MLX operation costs 10-20 us of scheduling on the CPU stream and a few more of Python to
+build, and mlx-lm's llama / qwen2 / qwen3 layer is ~27 of them per decode step. For SmolLM2-135M
+(30 layers) that overhead was most of a token's time; the weights themselves take a third of it.
+`fuse_decoder_layers` gives each layer whose products all run on the kernels (`kernel_layers`) a
+`__call__` that does the same arithmetic with `decoder_head` (norm, q/k/v products written in the
+layout attention reads) and `decoder_tail` (o product, residual, norm, gate/up, silu * up, down,
+residual), keeping mlx-lm's own rope, KV cache and attention in between. The result has the bits
+of the unfused layer (same kernels, same order); tests/test_fused_layers.py holds it to that.
+
+The layer keeps its class name, parameters and modules (only its class gets a mixin in front),
+so sharding, `named_modules()` and the prefill's per-layer evaluation (`layer_eval`) see the same
+model. `SHOAL_FUSED_LAYERS=0` leaves the layers as mlx-lm wrote them (benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+
+from node.cpu.kernel_layers import KernelQuantizedLinear
+from node.cpu.layer_eval import _EvaluatedInPrefill
+
+FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+"""The mlx-lm architectures whose `TransformerBlock` is the plain pre-norm llama layer fused here."""
+
+Projection = tuple[mx.array, mx.array | None, mx.array | None, mx.array | None, int, int]
+
+
+def fused_layers_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    value = (os.environ if environ is None else environ).get("SHOAL_FUSED_LAYERS", "1")
+    return value.strip().lower() not in ("0", "off", "no", "false")
+
+
+def _projection(layer: Any) -> Projection:
+    bias = layer.get("bias")
+    if layer.bits == 16:
+        return (layer["weight"], None, None, bias, 0, 16)
+    return (layer["weight"], layer["scales"], layer._biases(), bias, layer.group_size, layer.bits)
+
+
+def _is_norm(module: Any) -> bool:
+    return isinstance(module, nn.RMSNorm) and "weight" in module
+
+
+def is_fusable(layer: Any) -> bool:
+    """Whether `layer` is an mlx-lm llama-family block with every product on the kernels."""
+    if type(layer).__name__ != "TransformerBlock" or type(layer).__module__ not in FUSABLE_MODULES:
+        return False
+    attn, mlp = layer.get("self_attn"), layer.get("mlp")
+    if (
+        attn is None
+        or mlp is None
+        or not (_is_norm(layer.get("input_layernorm")) and _is_norm(layer.get("post_attention_layernorm")))
+    ):
+        return False
+    heads = [attn.get(name) for name in ("q_proj", "k_proj", "v_proj")]
+    tail = [attn.get("o_proj"), mlp.get("gate_proj"), mlp.get("up_proj"), mlp.get("down_proj")]
+    if not all(isinstance(p, KernelQuantizedLinear) for p in heads + tail):
+        return False
+    if any("bias" in p for p in tail):
+        return False
+    norms = [attn.get("q_norm"), attn.get("k_norm")]
+    return all(n is None for n in norms) or all(_is_norm(n) for n in norms)
+
+
+class _FusedBlock:
+    """Mixed in before a fusable block's class: its `__call__` on `decoder_head` / `decoder_tail`."""
+
+    _kernels: ModuleType
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        block: Any = self
+        attn, mlp, norm = block.self_attn, block.mlp, block.input_layernorm
+        batch, length, _ = x.shape
+        q, k, v = self._kernels.decoder_head(
+            x,
+            norm["weight"],
+            norm.eps,
+            [_projection(attn.q_proj), _projection(attn.k_proj), _projection(attn.v_proj)],
+            [attn.n_heads, attn.n_kv_heads, attn.n_kv_heads],
+        )
+        if "q_norm" in attn:  # qwen3: per-head norms (over head_dim, whatever the axis order)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if cache is not None:
+            q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = attn.rope(q), attn.rope(k)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        # [B, H, 1, D] already is [B, 1, H * D] in memory; longer inputs need the transpose.
+        if length == 1:
+            out = out.reshape(batch, 1, -1)
+        else:
+            out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        post = block.post_attention_layernorm
+        y = self._kernels.decoder_tail(
+            out,
+            x,
+            _projection(attn.o_proj),
+            post["weight"],
+            post.eps,
+            _projection(mlp.gate_proj),
+            _projection(mlp.up_proj),
+            _projection(mlp.down_proj),
+        )
+        if length > 1 and isinstance(self, _EvaluatedInPrefill):
+            mx.eval(y)  # what layer_eval's mixin (now behind this one) would do
+        return y
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type, kernels: ModuleType) -> type:
+    if cls not in _SUBCLASSES:
+        namespace = {"__module__": cls.__module__, "_kernels": kernels}
+        _SUBCLASSES[cls] = type(cls.__name__, (_FusedBlock, cls), namespace)
+    return _SUBCLASSES[cls]
+
+
+def fuse_decoder_layers(model: Any, kernels: ModuleType) -> int:
+    """Give every fusable layer of `model.layers` the fused `__call__`; returns how many."""
+    if not fused_layers_enabled() or not hasattr(kernels, "decoder_head"):
+        return 0
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, list):
+        return 0
+    fused = 0
+    for layer in layers:
+        if isinstance(layer, _FusedBlock) or not is_fusable(layer):
+            continue
+        layer.__class__ = _fused_class(type(layer), kernels)
+        fused += 1
+    return fused
