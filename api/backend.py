@@ -12,6 +12,7 @@ from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
+from protocol.held_models import ClusterModelsView
 from protocol.ids import ModelId, RequestId
 
 
@@ -52,8 +53,10 @@ class Backend(Protocol):
 
         The API reads the first event before it answers: a `GenerationError` of kind `invalid_request`
         there becomes an HTTP 400 (one of kind `server_error`, a 503), so report bad prompts first.
-        The API iterates from a child task of the one that entered the context, and the iterator may
-        be an async generator or a memory channel alike.
+        A stream whose first event takes longer than a keep-alive interval (entering may wait, e.g. for
+        a model still loading) is answered 200 meanwhile, and a later error is an in-stream event.
+        The API enters, iterates and leaves in one task, and the iterator may be an async generator or
+        a memory channel alike.
         """
         ...
 
@@ -65,14 +68,21 @@ class Backend(Protocol):
         """The model instances of the whole cluster."""
         ...
 
-    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
-        """Ask the leader to place `model` (on `nodes` nodes if given); `preview` only plans."""
+    async def place_instance(
+        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+    ) -> PlaceOutcome:
+        """Ask the leader to place `model` (on `nodes` nodes if given; with `replicas`, that many
+        instances on disjoint nodes, as many as fit); `preview` only plans."""
         ...
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome: ...
 
     def cluster(self) -> ClusterView:
         """This node's current picture of the cluster, for `GET /v1/cluster`."""
+        ...
+
+    def cluster_models(self) -> ClusterModelsView:
+        """The model files each node holds, as this node knows them, for `GET /v1/cluster/models`."""
         ...
 
     def health(self) -> dict[str, Any]:

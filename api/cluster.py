@@ -1,4 +1,5 @@
-"""`GET /v1/cluster`: the answering node's picture of the cluster (members, leader, instances)."""
+"""`GET /v1/cluster`: the answering node's picture of the cluster (members, leader, instances);
+`GET /v1/cluster/models`: the model files each node holds (what `shoal models` shows)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ class ClusterRoutes:
         self._backend = backend
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/cluster", self.cluster)]
+        return [Route("/v1/cluster", self.cluster), Route("/v1/cluster/models", self.models)]
 
     async def cluster(self, request: Request) -> Response:
         return JSONResponse(self._backend.cluster().model_dump(mode="json"))
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(self._backend.cluster_models().model_dump(mode="json"))

@@ -1,10 +1,15 @@
-"""`/v1/instances`: place, list, preview and delete model instances (forwarded to the leader)."""
+"""`/v1/instances`: place, list, preview and delete model instances (forwarded to the leader).
+
+`{"model", "replicas": N}` keeps N instances of the model on disjoint nodes: the leader places the
+missing ones, as many as fit (201 when it placed any; 200 when none were missing or no more fit;
+422 when not even one fits). The answer is the first new instance (else the first running one),
+with every replica of the model in `replicas` and the number asked in `replicas_requested`."""
 
 from __future__ import annotations
 
 from typing import Any, assert_never
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -23,21 +28,32 @@ from protocol.control_wire import (
     PlaceOutcome,
     Unavailable,
 )
+from protocol.placement import MAX_REPLICAS
 
 MAX_PLACE_BODY_BYTES = 64 * 1024
-"""A placement request is a model reference and a node count: well under 1 KiB."""
+"""A placement request is a model reference and two counts: well under 1 KiB."""
 
 
 class PlaceBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1, max_length=512)
     nodes: int | None = Field(default=None, ge=1, le=256)
+    replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
+    """Instances of the model to keep, on disjoint nodes (an integer: "2", 2.0 or true are refused)."""
 
 
-def _instance(view: InstanceView, status: int, stage_bytes: tuple[int, ...] = ()) -> Response:
-    body: dict[str, Any] = {"object": "instance", **view.model_dump(mode="json")}
-    if stage_bytes:
-        body["stage_bytes"] = list(stage_bytes)
+def _object(view: InstanceView) -> dict[str, Any]:
+    return {"object": "instance", **view.model_dump(mode="json")}
+
+
+def _instance(outcome: Placed | Exists | Deleted, status: int) -> Response:
+    """The instance; for a `replicas` request, also every replica of the model and the count asked."""
+    body = _object(outcome.instance)
+    if isinstance(outcome, Placed) and outcome.stage_bytes:
+        body["stage_bytes"] = list(outcome.stage_bytes)
+    if not isinstance(outcome, Deleted) and outcome.requested is not None:
+        body["replicas"] = [_object(view) for view in outcome.replicas]
+        body["replicas_requested"] = outcome.requested
     return JSONResponse(body, status_code=status)
 
 
@@ -49,9 +65,9 @@ def outcome_response(outcome: PlaceOutcome | DeleteOutcome) -> Response:
     """
     match outcome:
         case Placed():
-            return _instance(outcome.instance, 200 if outcome.preview else 201, outcome.stage_bytes)
+            return _instance(outcome, 200 if outcome.preview else 201)
         case Exists() | Deleted():
-            return _instance(outcome.instance, 200)
+            return _instance(outcome, 200)
         case NotFound(kind="instance"):
             raise ApiError(404, outcome.reason, param="instance_id", code="instance_not_found")
         case NotFound():
@@ -79,19 +95,25 @@ class InstanceRoutes:
         ]
 
     async def list_instances(self, request: Request) -> Response:
-        data = [{"object": "instance", **view.model_dump(mode="json")} for view in self._backend.instances()]
+        data = [_object(view) for view in self._backend.instances()]
         return JSONResponse({"object": "list", "data": data})
 
     async def create(self, request: Request) -> Response:
         body = parse_body(PlaceBody, await read_body(request, MAX_PLACE_BODY_BYTES))
-        return outcome_response(await self._backend.place_instance(body.model, body.nodes, preview=False))
+        return await self._place(body, preview=False)
 
     async def preview(self, request: Request) -> Response:
-        try:
-            body = PlaceBody.model_validate(dict(request.query_params))
+        try:  # query values are text: "2" is the number 2 here
+            body = PlaceBody.model_validate_strings(dict(request.query_params))
         except ValidationError as exc:
             raise from_validation(exc) from None
-        return outcome_response(await self._backend.place_instance(body.model, body.nodes, preview=True))
+        return await self._place(body, preview=True)
+
+    async def _place(self, body: PlaceBody, *, preview: bool) -> Response:
+        outcome = await self._backend.place_instance(
+            body.model, body.nodes, preview=preview, replicas=body.replicas
+        )
+        return outcome_response(outcome)
 
     async def delete(self, request: Request) -> Response:
         return outcome_response(await self._backend.delete_instance(request.path_params["instance_id"]))

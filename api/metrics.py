@@ -26,6 +26,7 @@ from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
+from protocol.held_models import ClusterModelsView
 from protocol.ids import RequestId
 
 Clock = Callable[[], float]
@@ -141,14 +142,19 @@ class MeteredBackend:
     def instances(self) -> Sequence[InstanceView]:
         return self._backend.instances()
 
-    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
-        return await self._backend.place_instance(model, nodes, preview=preview)
+    async def place_instance(
+        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+    ) -> PlaceOutcome:
+        return await self._backend.place_instance(model, nodes, preview=preview, replicas=replicas)
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self._backend.delete_instance(instance_id)
 
     def cluster(self) -> ClusterView:
         return self._backend.cluster()
+
+    def cluster_models(self) -> ClusterModelsView:
+        return self._backend.cluster_models()
 
     def health(self) -> dict[str, Any]:
         return self._backend.health()

@@ -1,16 +1,20 @@
 """Moving the backend's events to a client: one streaming response class and one collector.
 
 Every surface hands `EventStream` an `EventEncoder` (sans-I/O: events in, bytes out) and gets the
-same behaviour: the first event is read before the status is chosen (an error there answers as a
-plain error in the surface's shape: 400, 429 or 503), every `keepalive_s` without a byte sent gets
-the encoder's keep-alive frame, and a client that hangs up cancels the generation. `collect` does
-the same for answers that are one JSON object. Whatever ends the request leaves the context of
-`Backend.open_stream`, which is how the backend learns to cancel a generation nobody waits for.
+same behaviour. The status waits for the first event, but at most one `keepalive_s`: an error that
+comes sooner answers as a plain error in the surface's shape (400, 429 or 503); a generation that has
+not begun by then (its model still loading, a runner restarting) gets the 200 and the stream's
+opening, so that the client and the proxies between keep the connection, and an error after that goes
+out as the surface's in-stream error event, as one mid-stream does. Every `keepalive_s` without a
+byte sent gets the encoder's keep-alive frame, and a client that hangs up cancels the generation,
+even one still waiting to begin. `collect` does the same for answers that are one JSON object
+(they just wait). Whatever ends the request leaves the context of `Backend.open_stream`, which is how
+the backend learns to cancel a generation nobody waits for.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -51,13 +55,15 @@ BROKEN_OFF = GenerationError(error_kind="server_error", message="the generation 
 """What an encoder's `broken_off` reports."""
 
 
-async def _pump(events: AsyncIterator[ChunkEvent], into: trio.MemorySendChannel[ChunkEvent]) -> None:
-    """Move the backend's events into a channel, so that waiting for one can time out safely.
+async def _pump(backend: Backend, request: GenerateRequest, into: trio.MemorySendChannel[ChunkEvent]) -> None:
+    """Run the generation and move its events into a channel, all in this one task.
 
-    Cancelling a wait on an async generator would kill it; cancelling `MemoryReceiveChannel.receive`
-    loses nothing. This lets backends hand out any async iterator.
+    Entering `open_stream` may take long (a model still loading): here it does not hold up the
+    response, which watches the channel with a timeout and sends keep-alives meanwhile. Cancelling a
+    wait on an async generator would kill it; cancelling `MemoryReceiveChannel.receive` loses
+    nothing. This lets backends hand out any async iterator.
     """
-    async with into:
+    async with into, backend.open_stream(request) as events:
         async for event in events:
             await into.send(event)
 
@@ -92,27 +98,28 @@ class EventStream(Response):
         self._last_sent = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with (
-            sse.cancel_on_disconnect(receive),
-            self._backend.open_stream(self._request) as events,
-            trio.open_nursery() as nursery,
-        ):
+        async with sse.cancel_on_disconnect(receive), trio.open_nursery() as nursery:
             into, received = trio.open_memory_channel[ChunkEvent](0)
-            nursery.start_soon(_pump, events, into)
+            nursery.start_soon(_pump, self._backend, self._request, into)
             await self._respond(received, scope, receive, send)
             nursery.cancel_scope.cancel()
 
     async def _respond(
         self, events: trio.MemoryReceiveChannel[ChunkEvent], scope: Scope, receive: Receive, send: Send
     ) -> None:
-        event = await _receive(events)
-        if isinstance(event, GenerationError):
+        event: ChunkEvent | None = None
+        with trio.move_on_after(self._keepalive_s) as quiet:
+            event = await _receive(events)
+        if isinstance(event, GenerationError):  # before any byte went out: the status says it
             error = self._surface.error_response(from_generation_error(event))
             await error(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self._last_sent = trio.current_time()
         await self._send_body(send, self._encoder.start())
+        if quiet.cancelled_caught:  # committed before the generation began: keep the client waiting
+            await self._send_body(send, self._encoder.keep_alive())
+            event = await self._receive_or_keep_alive(events, send)
         while True:
             frames = self._encoder.broken_off() if event is None else self._encoder.feed(event)
             await self._send_body(send, frames)

@@ -2,6 +2,8 @@
 
 A request goes to this node's runner when the model's instance starts here; otherwise over libp2p to
 the node that holds the instance's first stage, whose events come straight back (never via the leader).
+A request for an instance that starts here but has no runner yet (its files still coming, its later
+stages loading) waits for the runner, up to `load_wait_s`.
 Instance requests are forwarded to the leader.
 """
 
@@ -21,17 +23,21 @@ import trio
 
 from api.backend import ModelCard
 from node.cluster import ClusterService
+from node.cluster_files import placeable
+from node.failover import Failover, FailoverConfig
 from node.instances import InstanceManager
 from node.leader_control import instance_view
 from node.models import list_local_models
 from node.models.shape import FLOAT_DTYPES, read_safetensors_header
 from node.models.store import dir_size
 from node.routing import GenerationServer
+from node.runner.supervisor import RunnerSupervisor
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, GenerationError
-from protocol.ids import RequestId
+from protocol.held_models import ClusterModelsView, node_models
+from protocol.ids import NodeId, RequestId
 
 
 class RemoteStreams(Protocol):
@@ -43,10 +49,23 @@ class RemoteStreams(Protocol):
 
 
 class NodeBackend:
-    def __init__(self, cluster: ClusterService, instances: InstanceManager, remote: RemoteStreams) -> None:
+    def __init__(
+        self,
+        cluster: ClusterService,
+        instances: InstanceManager,
+        remote: RemoteStreams,
+        *,
+        load_wait_s: float,
+        failover: FailoverConfig | None = None,
+    ) -> None:
         self._cluster = cluster
         self._instances = instances
-        self._remote = remote
+        self._remote = instances.loads.counted(remote)
+        """Every request sent to a peer's entry counts against it (replica choice, `node.replica_load`)."""
+        self._load_wait_s = load_wait_s
+        """How long a request waits for an instance placed here to start (`NodeConfig.load_wait_s`)."""
+        self._failover = Failover(self._open_on, instances.entry_nodes, self._cancel_running, failover)
+        """Every request this node accepts; it goes on elsewhere when its instance breaks off."""
         self._created = int(time.time())
         self.serving: GenerationServer | None = None
         """What this node runs for its peers (`serve_generations`), once registered: its counts
@@ -54,6 +73,13 @@ class NodeBackend:
 
     def cluster(self) -> ClusterView:
         return self._cluster.snapshot()
+
+    def cluster_models(self) -> ClusterModelsView:
+        state = self._cluster.state
+        members = self._cluster.snapshot().members
+        known = self._instances.files.held()
+        nodes = node_models(members, state.holdings(), state.instances().values(), known, state.transfers())
+        return ClusterModelsView(self=self._cluster.me, nodes=nodes)
 
     def models(self) -> Sequence[ModelCard]:
         cards: dict[str, ModelCard] = {}
@@ -75,7 +101,12 @@ class NodeBackend:
         return list(cards.values())
 
     def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
-        entry = self._instances.entry_node(request.model)
+        return self._failover.open_stream(request)
+
+    def _open_on(
+        self, entry: NodeId | None, request: GenerateRequest
+    ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
+        """One attempt of `node.failover`: on `entry` (None: this node, which says why it has none)."""
         if entry is not None and entry != self._cluster.me:
             return self._remote.open_stream(entry, request)
         return self.open_local_stream(request)
@@ -97,16 +128,42 @@ class NodeBackend:
                     param="model",
                 )
             )
-        return _single_event(
-            GenerationError(
+        return self._open_once_loaded(request)
+
+    @asynccontextmanager
+    async def _open_once_loaded(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
+        """Enter this node's runner for the model once it has one, waiting up to `load_wait_s` (the
+        instance's files moving here, its later stages loading); past that, or as soon as this node
+        takes no requests for the model any more, the one `model_loading` error. Cancellable."""
+        runner = None
+        with trio.move_on_after(self._load_wait_s):
+            runner = await self._runner_once_started(request.model)
+        if runner is None:
+            loading = GenerationError(
                 error_kind="server_error",
                 message=f"model {request.model!r} is not running on this node (yet); retry shortly",
                 code="model_loading",
             )
-        )
+            async with _single_event(loading) as events:
+                yield events
+            return
+        async with runner.open_stream(request) as events:
+            yield events
+
+    async def _runner_once_started(self, model: str) -> RunnerSupervisor | None:
+        """This node's runner for `model` as soon as there is one; None once this node is no entry of
+        `model` (its instance deleted or moved). Unbounded: the caller bounds it."""
+        while (runner := self._instances.local_runner(model)) is None:
+            if self._cluster.me not in self._instances.entry_nodes(model):
+                return None
+            await self._instances.wait_hosted_changed()
+        return runner
 
     async def cancel(self, request_id: RequestId) -> bool:
-        """Cancel a request this node accepted, wherever it runs."""
+        """Cancel a request this node accepted, wherever it runs (or between two attempts)."""
+        return await self._failover.cancel(request_id) or await self._cancel_running(request_id)
+
+    async def _cancel_running(self, request_id: RequestId) -> bool:
         return await self.cancel_local(request_id) or await self._remote.cancel(request_id)
 
     async def cancel_local(self, request_id: RequestId) -> bool:
@@ -118,14 +175,17 @@ class NodeBackend:
     def instances(self) -> Sequence[InstanceView]:
         return [instance_view(record) for record in self._instances.records()]
 
-    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
-        return await self._instances.request_instance(model, nodes, preview=preview)
+    async def place_instance(
+        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+    ) -> PlaceOutcome:
+        return await self._instances.request_instance(model, nodes, preview=preview, replicas=replicas)
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self._instances.delete_instance(instance_id)
 
     async def local_models(self) -> Sequence[ModelFileView]:
-        found = await trio.to_thread.run_sync(list_local_models, self._instances.data_dir)
+        data_dir = self._instances.data_dir
+        found = await trio.to_thread.run_sync(lambda: placeable(list_local_models(data_dir), data_dir))
         return [ModelFileView(name=m.name, model_type=m.model_type, size_bytes=m.size_bytes) for m in found]
 
     def health(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The `shoal` command: `shoal run` starts a node, `shoal models` lists what the data dir holds."""
+"""The `shoal` command: `shoal run` starts a node, `shoal models` shows what each node holds."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ from pathlib import Path
 import trio
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.table import Table
 
 from node.config import API_KEY_ENV, add_run_flags, node_config
 from node.models import (
     ModelResolveError,
     default_data_dir,
     ensure_builtin_model,
-    list_local_models,
     locate_model,
 )
 from node.net.config import add_mesh_arguments, mesh_config_from_args
@@ -33,8 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_mesh_arguments(run)
 
-    models = sub.add_parser("models", help="list the models in the data dir")
-    models.add_argument("--data-dir", type=Path, default=None)
+    models = sub.add_parser("models", help="show the model files each node holds (--local: this data dir)")
+    models.add_argument("--api", default=None, help="a node's API URL (default http://127.0.0.1:52415)")
+    models.add_argument("--api-key", default=None, help="the node's API key (default $SHOAL_API_KEY)")
+    models.add_argument("--json", action="store_true", help="print the raw JSON, for scripts")
+    models.add_argument("--local", action="store_true", help="list this machine's data dir; no node needed")
+    models.add_argument("--data-dir", type=Path, default=None, help="the data dir to list (implies --local)")
 
     status = sub.add_parser("status", help="show the cluster as one node sees it")
     status.add_argument("--api", default=None, help="a node's API URL (default http://127.0.0.1:52415)")
@@ -119,17 +121,18 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    data_dir = args.data_dir or default_data_dir()
-    models = list_local_models(data_dir)
-    if not models:
-        print(f"no models in {data_dir / 'models'} (run `shoal run` to prepare the built-in one)")
+    from node.models_cli import show_cluster_models, show_local_models
+    from node.status import DEFAULT_API, StatusError
+
+    if args.local or args.data_dir is not None:
+        show_local_models(args.data_dir or default_data_dir(), as_json=args.json)
         return 0
-    table = Table(title=f"models in {data_dir}")
-    for column in ("name", "type", "size", "path"):
-        table.add_column(column)
-    for model in models:
-        table.add_row(model.name, model.model_type, f"{model.size_bytes / 1e6:.0f} MB", str(model.path))
-    Console().print(table)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    try:
+        show_cluster_models(args.api or DEFAULT_API, api_key=api_key, as_json=args.json)
+    except StatusError as exc:
+        print(f"shoal models: {exc} (`shoal models --local` lists this data dir)", file=sys.stderr)
+        return 1
     return 0
 
 

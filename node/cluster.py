@@ -30,7 +30,7 @@ from protocol.cluster_codec import (
     encode_digest_reply,
     encode_message,
 )
-from protocol.cluster_records import InstanceRecord, NodeHoldings, NodeProfile, NodeTransfers
+from protocol.cluster_records import InstanceRecord, NodeHoldings, NodeLoad, NodeProfile, NodeTransfers
 from protocol.cluster_view import ClusterView, MemberView
 from protocol.election import Decision, ElectionConfig, apply_decision, decide_leader, may_claim
 from protocol.ids import InstanceId, NodeId
@@ -45,6 +45,7 @@ from protocol.membership import (
     tick,
 )
 from protocol.model_files import holding_views, instance_view
+from protocol.replicas import load_view
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -99,6 +100,7 @@ class ClusterService:
         self._files = files
         """The model files this node serves and those moving to it (`ClusterFiles.records`), written
         with each heartbeat when they changed."""
+        self._load: Callable[[], NodeLoad] | None = None
         self._clock = clock
         self.state = ClusterState.empty()
         self.view = View.empty()
@@ -139,6 +141,10 @@ class ClusterService:
         if self._running:
             await self._write(self._own_records())
 
+    def report_load(self, load: Callable[[], NodeLoad]) -> None:
+        """Write `load()` (the instances this node is the entry of) with each heartbeat when it changed."""
+        self._load = load
+
     # --- writing and merging -----------------------------------------------------------------
     async def _write(self, new_state: ClusterState) -> ClusterState:
         """Adopt a locally written state and gossip what changed; returns that delta."""
@@ -174,12 +180,12 @@ class ClusterService:
         await self._publish(news)
 
     def _own_records(self) -> ClusterState:
-        """The state with this node's profile and files records as they are now (no-ops if same)."""
+        """The state with this node's profile, files and load records as they are now (no-ops if same)."""
         state = self.state.with_profile(self.me, self._profile())
         if self._files is not None:
             holdings, transfers = self._files()
             state = state.with_holdings(self.me, holdings).with_transfers(self.me, transfers)
-        return state
+        return state if self._load is None else state.with_load(self.me, self._load())
 
     def _connect_to_members(self) -> None:
         """Dial every member the state names that the mesh doesn't know yet: a full mesh, so that the
@@ -369,7 +375,11 @@ class ClusterService:
                     transfers=transfers.get(node, NodeTransfers()).transfers,
                 )
             )
-        instances = [instance_view(record, transfers) for record in self.state.instances().values()]
+        loads = self.state.loads()
+        instances = [
+            instance_view(record, transfers).model_copy(update={"load": load_view(record, loads)})
+            for record in self.state.instances().values()
+        ]
         return ClusterView(
             cluster=self.config.cluster,
             self=self.me,

@@ -21,20 +21,20 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import trio
 
+from node.cluster_reader import ClusterReader
 from node.files import Fetcher, FetchError, FileServer, HashCache, HubRef, Peer, cluster_model_dir
 from node.files.folders import CLUSTER_SUBDIR
 from node.files.hashing import folder_manifest
 from node.models import ResolvedModel, builtin_gguf_path, locate_model, resolve_model
 from node.models.disk import make_room, mark_used
-from node.models.store import is_model_dir, models_dir
-from protocol.cluster import ClusterState
+from node.models.store import LocalModel, is_model_dir, models_dir
 from protocol.cluster_records import (
     MAX_ERROR_CHARS,
     MAX_HOLDINGS,
@@ -45,9 +45,8 @@ from protocol.cluster_records import (
     NodeTransfers,
     StageAssignment,
 )
-from protocol.ids import NodeId
 from protocol.manifest import Manifest, metadata_paths
-from protocol.membership import Status, View
+from protocol.membership import Status
 from protocol.model_files import file_holders, holding_of
 
 log = logging.getLogger("shoal.files")
@@ -62,15 +61,9 @@ MANIFEST_SIDECAR = ".manifest.json"
 it again without hashing. Hidden: never a manifest path, never listed as a model file."""
 
 
-class FilesCluster(Protocol):
+class FilesCluster(ClusterReader, Protocol):
     """What this module reads of the cluster (`node.cluster.ClusterService`)."""
 
-    @property
-    def me(self) -> NodeId: ...
-    @property
-    def state(self) -> ClusterState: ...
-    @property
-    def view(self) -> View: ...
     async def wait_changed(self) -> None: ...
     async def publish_own(self) -> None: ...
 
@@ -104,19 +97,37 @@ def _write_sidecar(folder: Path, manifest: Manifest, model: str) -> None:
     (folder / MANIFEST_SIDECAR).write_text(json.dumps(body, separators=(",", ":")), encoding="utf-8")
 
 
-def _read_sidecars(data_dir: Path) -> list[tuple[Manifest, Path]]:
-    """The fetched folders with a readable sidecar whose manifest id is the folder's name."""
-    found: list[tuple[Manifest, Path]] = []
+def _read_sidecar(folder: Path) -> tuple[Manifest, str] | None:
+    """The manifest and model name a fetched folder's sidecar records, if readable and the
+    manifest id is the folder's name."""
+    try:
+        body = json.loads((folder / MANIFEST_SIDECAR).read_text(encoding="utf-8"))
+        manifest, model = Manifest.model_validate(body["manifest"]), str(body["model"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (manifest, model) if manifest.id == folder.name else None
+
+
+def _read_sidecars(data_dir: Path) -> list[tuple[Manifest, Path, str]]:
+    """The fetched folders with a readable sidecar, and the model's name."""
     root = models_dir(data_dir) / CLUSTER_SUBDIR
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+    found = [(folder, _read_sidecar(folder)) for folder in (sorted(root.iterdir()) if root.is_dir() else [])]
+    return [(read[0], folder, read[1]) for folder, read in found if read is not None]
+
+
+def placeable(models: Iterable[LocalModel], data_dir: Path) -> list[LocalModel]:
+    """`models` without the copies fetched from peers that lack some of their files (a stage's
+    shards only) or whose sidecar is unreadable: those cannot be placed by name. Blocking."""
+    root = (models_dir(data_dir) / CLUSTER_SUBDIR).resolve()
+
+    def complete(folder: Path) -> bool:
+        read = _read_sidecar(folder)
         try:
-            body = json.loads((folder / MANIFEST_SIDECAR).read_text(encoding="utf-8"))
-            manifest = Manifest.model_validate(body["manifest"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if manifest.id == folder.name:
-            found.append((manifest, folder))
-    return found
+            return read is not None and all((folder / f.path).stat().st_size == f.size for f in read[0].files)
+        except OSError:  # a file missing
+            return False
+
+    return [m for m in models if not m.path.resolve().is_relative_to(root) or complete(m.path)]
 
 
 class ClusterFiles:
@@ -138,6 +149,8 @@ class ClusterFiles:
         self._cap_bytes = cap_bytes
         self._held: dict[str, tuple[Manifest, Path]] = {}
         """manifest id -> (manifest, folder) of every offer, for advertising and for local use."""
+        self._names: dict[str, str] = {}
+        """manifest id -> the model's name (as instances call it), for `shoal models`."""
         self._described: dict[str, Described] = {}
         """source -> what `describe` found, for previews (which hash nothing)."""
 
@@ -150,7 +163,7 @@ class ClusterFiles:
                 folder_manifest, resolved.path, self._cache, derived_from=_gguf_of(source, resolved)
             )
         )
-        await self._offer(manifest, resolved.path)
+        await self._offer(manifest, resolved.path, resolved.name)
         described = Described(manifest, resolved.name if resolved.source == "hub" else "")
         self._described[source] = described
         return described
@@ -161,12 +174,17 @@ class ClusterFiles:
 
     async def offer_stored(self) -> None:
         """Offer again the folders fetched before this node (re)started."""
-        for manifest, folder in await trio.to_thread.run_sync(_read_sidecars, self._data_dir):
-            await self._offer(manifest, folder)
+        for manifest, folder, model in await trio.to_thread.run_sync(_read_sidecars, self._data_dir):
+            await self._offer(manifest, folder, model)
 
-    async def _offer(self, manifest: Manifest, folder: Path) -> None:
+    def held(self) -> dict[str, tuple[str, Manifest]]:
+        """manifest id -> (model name, manifest) of every model this node serves (no disk access)."""
+        return {mid: (self._names.get(mid, ""), manifest) for mid, (manifest, _folder) in self._held.items()}
+
+    async def _offer(self, manifest: Manifest, folder: Path, model: str) -> None:
         paths = await trio.to_thread.run_sync(self.server.offer, manifest, folder)
         self._held[manifest.id] = (manifest, folder)
+        self._names[manifest.id] = model
         await self._cluster.publish_own()
         log.info(
             "serving %d of the %d file(s) of %s from %s",
@@ -182,6 +200,7 @@ class ClusterFiles:
             if folder.resolve() in gone:
                 self.server.withdraw(mid)
                 del self._held[mid]
+                self._names.pop(mid, None)
 
     def members(self) -> set[str]:
         return live_members(self._cluster)
@@ -222,7 +241,7 @@ class ClusterFiles:
         held = self._held.get(manifest.id)
         if held is not None and self.server.offered().get(manifest.id) == {f.path for f in manifest.files}:
             return held[1]
-        if (own := await self._own_copy(record.source or record.model, manifest)) is not None:
+        if (own := await self._own_copy(record.source or record.model, manifest, record.model)) is not None:
             return own
         target = cluster_model_dir(self._data_dir, manifest.id)
         peers = await self._wait_for_holders(manifest)
@@ -246,10 +265,10 @@ class ClusterFiles:
             raise
         if folder == target:
             await trio.to_thread.run_sync(_write_sidecar, target, manifest, record.model)
-        await self._offer(manifest, folder)
+        await self._offer(manifest, folder, record.model)
         return folder
 
-    async def _own_copy(self, source: str, manifest: Manifest) -> Path | None:
+    async def _own_copy(self, source: str, manifest: Manifest, model: str) -> Path | None:
         """The folder `source` names on this node, if it is there already with this very content
         (a folder every node sees, an earlier import or download): nothing is imported or
         downloaded to find out, only an existing folder hashed (cached)."""
@@ -266,7 +285,7 @@ class ClusterFiles:
             return located.path if here == manifest else None
 
         if (found := await trio.to_thread.run_sync(find)) is not None:
-            await self._offer(manifest, found)
+            await self._offer(manifest, found, model)
         return found
 
     async def _wait_for_holders(self, manifest: Manifest) -> list[Peer]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from node.net.config import MeshConfig, derive_secret
+from protocol.placement import MAX_REPLICAS
 from protocol.runner_wire import RunnerSettings
 
 API_KEY_ENV = "SHOAL_API_KEY"
@@ -30,12 +31,28 @@ class NodeConfig:
     """How this node finds, admits and talks to its peers (cluster name, secret, ports, mDNS)."""
     model: str | None = DEFAULT_MODEL
     """A model reference (built-in name, folder, .gguf file or Hugging Face repo id); None serves nothing."""
+    replicas: int = 1
+    """Instances of `model` the cluster should run, each on nodes of its own (requests go to the least
+    loaded): 1, since a small cluster usually has room for one; more once nodes sit idle."""
     api_host: str = "0.0.0.0"
     """All interfaces: any machine of the cluster's network may send requests to any node."""
     api_port: int = 52415
     """0 picks a free port (the log says which)."""
     keepalive_s: float = 10.0
     """An SSE comment goes out after this long without events, so proxies keep the stream open."""
+    load_wait_s: float = 300.0
+    """How long a request waits for its model's instance, placed but not started on its entry node yet
+    (files still moving there, later stages loading their layers), before a 503 `model_loading`:
+    5 minutes, as long as Ollama lets a load take (OLLAMA_LOAD_TIMEOUT), enough for a few GB over
+    Wi-Fi, and within the 10 minutes the OpenAI and Anthropic SDKs wait. A stream gets keep-alives
+    meanwhile. A started runner's own load has its own bound (`RunnerSpec.ready_timeout_s`)."""
+    failover_timeout_s: float = 60.0
+    """How long a generation whose instance broke off (node dead, runner crashed, stage lost) waits
+    for another instance to take it over (`node.failover`) before its stream ends with the error. The
+    slow case is re-placing a lost node's instance: the leader declares the node dead (a few
+    seconds), places the instance elsewhere and that node loads the model (~10 s for a small one).
+    60 s covers that for models of a few GB, well within the 10 minutes the OpenAI and Anthropic SDKs
+    wait for a stream; a replica takes over at once."""
     api_key: str | None = None
     """None: the API is open to whoever reaches it (zero configuration on a home network; `shoal run`
     warns when it binds beyond loopback). Set: every route but /health and the page needs it."""
@@ -89,6 +106,12 @@ _POSITIVE_SECONDS = (lambda seconds: seconds > 0, "must be a positive number of 
 RUN_FLAGS = (
     Flag("--model", "model", "built-in name, folder, .gguf or HF repo id (default %(default)s)"),
     Flag("--no-model", "model", "serve no model", switch=True, value=None),
+    Flag(
+        "--replicas",
+        "replicas",
+        "instances of --model to run, each on nodes of its own, as many as fit (default %(default)s)",
+        check=(lambda n: 1 <= n <= MAX_REPLICAS, f"must be between 1 and {MAX_REPLICAS}"),
+    ),
     Flag("--api-host", "api_host", "address the HTTP API binds (default %(default)s)"),
     Flag("--api-port", "api_port", "HTTP API port, 0 = any free port (default %(default)s)", check=_PORT),
     Flag(
@@ -127,6 +150,18 @@ RUN_FLAGS = (
         "--sse-keepalive",
         "keepalive_s",
         "seconds without events after which a stream gets a keep-alive comment (default %(default)s)",
+        check=_POSITIVE_SECONDS,
+    ),
+    Flag(
+        "--failover-timeout",
+        "failover_timeout_s",
+        "seconds a broken-off generation waits for another instance to take it over (default %(default)s)",
+        check=_POSITIVE_SECONDS,
+    ),
+    Flag(
+        "--load-wait",
+        "load_wait_s",
+        "seconds a request waits for its model's instance to start before a 503 (default %(default)s)",
         check=_POSITIVE_SECONDS,
     ),
     Flag(

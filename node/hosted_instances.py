@@ -11,6 +11,7 @@ pass of the caller's loop; the reason shows in the log and, for a transfer, in t
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -92,6 +93,7 @@ class HostedInstances:
         self._runner = runner
         self._rand = rand
         self._hosted: dict[InstanceId, _Hosted] = {}
+        self._changed = trio.Event()
 
     # --- reads -------------------------------------------------------------------------------
     def runners(self) -> list[RunnerSupervisor]:
@@ -104,6 +106,12 @@ class HostedInstances:
             if hosted.record.model == model and first and hosted.runner is not None:
                 return hosted.runner
         return None
+
+    async def wait_changed(self) -> None:
+        """Returns after the next reconcile (the caller's loop runs one at each cluster change, at
+        least once a second) or when a runner comes or goes here: a request waiting for its model to
+        load rechecks then."""
+        await self._changed.wait()
 
     def answer_stage_address(self, question: StageAddress) -> StageAddressAnswer:
         hosted = self._hosted.get(InstanceId(question.instance_id))
@@ -123,6 +131,16 @@ class HostedInstances:
             hosted = _Hosted(record, trio.CancelScope())
             self._hosted[record.instance_id] = hosted
             nursery.start_soon(self._host, hosted)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _publish(self, hosted: _Hosted, runner: RunnerSupervisor | None) -> None:
+        """`runner` takes `hosted`'s requests from now on (None: none does)."""
+        hosted.runner = runner
+        self._notify()
 
     async def _host(self, hosted: _Hosted) -> None:
         """Get the model's files, then run this node's part of the instance until its scope is cancelled."""
@@ -133,8 +151,9 @@ class HostedInstances:
             spec = self._runner_spec(record.model, path)
             if len(record.stages) == 1:
                 log.info("instance %s: running %s here", record.instance_id, record.model)
-                hosted.runner = self._runner(spec)
-                await serve_runner(hosted.runner)
+                runner = self._runner(spec)
+                self._publish(hosted, runner)
+                await serve_runner(runner)
                 return
             log.info(
                 "instance %s: running layers [%d, %d) of %s here",
@@ -145,12 +164,9 @@ class HostedInstances:
             )
             host = reachable_host(self._mesh.addrs())
             if mine is record.stages[0]:
-
-                def publish_runner(runner: RunnerSupervisor | None) -> None:
-                    hosted.runner = runner
-
                 route = StageRoute(self._mesh, record)
-                await run_entry(route, spec, host, self._runner, serve_runner, publish_runner)
+                publish = functools.partial(self._publish, hosted)
+                await run_entry(route, spec, host, self._runner, serve_runner, publish)
                 return
 
             def publish_address(address: str | None) -> None:

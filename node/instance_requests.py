@@ -16,16 +16,17 @@ from typing import Protocol, assert_never
 import trio
 
 from node.cluster_files import Described
+from node.cluster_reader import ClusterReader
 from node.leader_control import LeaderControl
 from node.model_shapes import ShapeCache
 from node.net.mesh import RequestError
-from protocol.cluster import ClusterState
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
     DELETE_OUTCOMES,
     PLACE_OUTCOMES,
     ControlMessage,
     ControlWireError,
+    Deleted,
     DeleteInstance,
     DeleteOutcome,
     Exists,
@@ -39,25 +40,26 @@ from protocol.control_wire import (
     encode_control,
 )
 from protocol.election import Decision
-from protocol.ids import NodeId
+from protocol.ids import InstanceId, NodeId
 from protocol.model_files import instance_view
 
 log = logging.getLogger("shoal.instances")
 
+VISIBLE_WAIT_S = 2.0
+"""After the leader answers a change, the asking node answers its client once its own state shows
+it (read-your-writes: its next `GET /v1/instances` agrees), or after this long: gossip brings the
+record in ~10 ms, and a lost message is healed by the next anti-entropy round (every second)."""
 ENSURE_ATTEMPTS = 600
 """`ensure` asks at most this many times, about once a second (or at each cluster change): about
 10 minutes of a cluster without a leader."""
 
 
-class AskingCluster(Protocol):
+class AskingCluster(ClusterReader, Protocol):
     """What an asking node reads of the cluster (`node.cluster.ClusterService`)."""
 
     @property
-    def me(self) -> NodeId: ...
-    @property
     def decision(self) -> Decision: ...
-    @property
-    def state(self) -> ClusterState: ...
+    def alive_memory(self) -> dict[NodeId, int]: ...
     async def wait_changed(self) -> None: ...
 
 
@@ -103,7 +105,9 @@ class InstanceRequests:
         except (RequestError, ControlWireError) as exc:
             return Unavailable(kind="no_answer", reason=f"the leader {leader} did not answer: {exc}")
 
-    async def place(self, source: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
+    async def place(
+        self, source: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+    ) -> PlaceOutcome:
         try:
             shape = await self.shapes.get(source)
             described = await self._describe(source, preview=preview)
@@ -120,8 +124,11 @@ class InstanceRequests:
             preview=preview,
             manifest=described.manifest if described else None,
             hub_repo=described.hub_repo if described else "",
+            replicas=replicas,
         )
         answer = await self._ask(request)
+        if isinstance(answer, Placed | Exists) and not preview:
+            await self._until_seen(answer.instance.id, present=True)
         if isinstance(answer, PLACE_OUTCOMES):
             return answer
         return Unavailable(kind="no_answer", reason=f"the leader answered {answer.type!r} to a place request")
@@ -133,30 +140,48 @@ class InstanceRequests:
 
     async def delete(self, instance_id: str) -> DeleteOutcome:
         answer = await self._ask(DeleteInstance(instance_id=instance_id))
+        if isinstance(answer, Deleted):
+            await self._until_seen(answer.instance.id, present=False)
         if isinstance(answer, DELETE_OUTCOMES):
             return answer
         return Unavailable(
             kind="no_answer", reason=f"the leader answered {answer.type!r} to a delete request"
         )
 
-    def _served(self, model: str) -> bool:
-        return any(record.model == model for record in self.cluster.state.instances().values())
+    async def _until_seen(self, instance_id: str, *, present: bool) -> None:
+        """Return once this node's state has `instance_id` (`present`) or has it no more, at most
+        `VISIBLE_WAIT_S` later; at once on the leader, which wrote it."""
+        with trio.move_on_after(VISIBLE_WAIT_S):
+            while (InstanceId(instance_id) in self.cluster.state.instances()) != present:
+                await self.cluster.wait_changed()
 
-    async def ensure(self, source: str) -> None:
-        """For `shoal run --model X`: once there is a leader, make sure an instance of X exists."""
+    def _served(self, model: str) -> int:
+        return sum(record.model == model for record in self.cluster.state.instances().values())
+
+    async def ensure(self, source: str, replicas: int = 1) -> None:
+        """For `shoal run --model X --replicas N`: once there is a leader, make sure X has N instances.
+        While fewer fit, it asks again each time the number of live nodes changes (one joined: room
+        for another), within the same `ENSURE_ATTEMPTS`."""
         try:
             shape = await self.shapes.get(source)
         except ValueError as exc:
             log.error("cannot serve %r: %s", source, exc)
             return
+        asked_with: int | None = None
+        """How many nodes were alive when the leader last placed what fit."""
         for attempt in range(ENSURE_ATTEMPTS):
-            if self._served(shape.model):
+            if self._served(shape.model) >= replicas:
                 return
-            if self.cluster.decision.leader is not None:
-                outcome = await self.place(source, None, preview=False)
+            alive = len(self.cluster.alive_memory())
+            if self.cluster.decision.leader is not None and alive != asked_with:
+                outcome = await self.place(
+                    source, None, preview=False, replicas=replicas if replicas > 1 else None
+                )
                 match outcome:
                     case Placed() | Exists():
-                        return
+                        if replicas == 1:
+                            return
+                        asked_with = alive
                     case NotFound() | Invalid():
                         log.error("cannot place %s: %s", shape.model, outcome.reason)
                         return

@@ -29,6 +29,7 @@ from node.instance_requests import InstanceRequests
 from node.leader_control import LeaderControl
 from node.model_shapes import ModelFiles, ShapeCache
 from node.net.mesh import Mesh
+from node.replica_load import ReplicaLoads
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import (
@@ -79,7 +80,12 @@ class InstanceManager:
         self.shapes = ShapeCache(model_files.shape)
         self.leader = LeaderControl(cluster)
         self.requests = InstanceRequests(cluster, mesh, self.leader, self.shapes, files)
-        self.hosted = HostedInstances(cluster.me, mesh, options.runner_spec, files.folder_for)
+        self.loads = ReplicaLoads(cluster, self.records, self.local_runner)
+        """Replica choice: the requests open to each entry, and what this node reports of its own."""
+        self.hosted = HostedInstances(
+            cluster.me, mesh, options.runner_spec, files.folder_for, runner=self.loads.runner
+        )
+        cluster.report_load(self.loads.own_load)
 
     # --- reads for the backend ---------------------------------------------------------------
     def runners(self) -> list[RunnerSupervisor]:
@@ -88,26 +94,36 @@ class InstanceManager:
     def local_runner(self, model: str) -> RunnerSupervisor | None:
         return self.hosted.local_runner(model)
 
+    async def wait_hosted_changed(self) -> None:
+        """Returns after the next reconcile here, or when a runner of this node comes or goes."""
+        await self.hosted.wait_changed()
+
     def records(self) -> list[InstanceRecord]:
         return sorted(self.cluster.state.instances().values(), key=lambda r: r.instance_id)
 
+    def entry_nodes(self, model: str) -> list[NodeId]:
+        """The nodes that take requests for `model`, best first: the first stage of each of its
+        instances: the ready ones by load (this node's own on ties), then those not ready, then those
+        on nodes not alive (`protocol.replicas`). Failover tries the next when the first breaks off."""
+        return self.loads.entry_nodes(model)
+
     def entry_node(self, model: str) -> NodeId | None:
-        """The node that takes requests for `model`: the first stage of its instance."""
-        for record in self.records():
-            if record.model == model:
-                return record.stages[0].node
-        return None
+        """The node that takes requests for `model` now: the best of `entry_nodes`."""
+        nodes = self.entry_nodes(model)
+        return nodes[0] if nodes else None
 
     # --- what the backend asks ---------------------------------------------------------------
-    async def request_instance(self, source: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
-        return await self.requests.place(source, nodes, preview=preview)
+    async def request_instance(
+        self, source: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+    ) -> PlaceOutcome:
+        return await self.requests.place(source, nodes, preview=preview, replicas=replicas)
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self.requests.delete(instance_id)
 
-    async def ensure_instance(self, source: str) -> None:
-        """For `shoal run --model X`: once there is a leader, make sure an instance of X exists."""
-        await self.requests.ensure(source)
+    async def ensure_instance(self, source: str, replicas: int = 1) -> None:
+        """For `shoal run --model X`: once there is a leader, make sure X has `replicas` instances."""
+        await self.requests.ensure(source, replicas)
 
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

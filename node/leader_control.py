@@ -1,12 +1,14 @@
 """The leader's side of instances: place, preview and delete on request; re-place what lost a node.
 
-Only the leader writes instance records: `protocol.placement.place` decides, the cluster state
+Only the leader writes instance records: `protocol.placement` decides, the cluster state
 replicates them, so a leader change keeps every instance. Each answer is an outcome of
 `protocol.control_wire`, never an HTTP status. The leader never resolves a model: a place request
 carries the shape and manifest the requesting node read, the record keeps them, and a repair (by
 this leader or the next) re-places with the record's own. Placement prefers the nodes that hold the
-model's files (their `NodeHoldings`). Repair runs one task per instance that lost a node; one that
-cannot be re-placed is tried again after a backoff, not on every pass of the loop.
+model's files (their `NodeHoldings`). A model may have replicas: instances on disjoint sets of
+nodes, placed as many as fit when a request asks for them, and re-placed like any instance, away
+from the other replicas. Repair runs one task per instance that lost a node; one that cannot be
+re-placed is tried again after a backoff, not on every pass of the loop.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import logging
 import random
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
 import trio
 
+from node.cluster_reader import ClusterReader
 from protocol.backoff import Backoff, BackoffPolicy
-from protocol.cluster import ClusterState, NotLeaderError
+from protocol.cluster import NotLeaderError
 from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import (
     Deleted,
@@ -40,7 +43,7 @@ from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import Manifest
 from protocol.membership import Status, View
 from protocol.model_files import held_bytes, instance_view
-from protocol.placement import ModelShape, Placement, PlacementError, place
+from protocol.placement import ModelShape, Placement, PlacementError, place_replicas
 
 log = logging.getLogger("shoal.instances")
 
@@ -51,15 +54,9 @@ REPAIR_RETRY = BackoffPolicy(min_s=2.0, max_s=60.0)
 between tries: a node joining or memory freeing up is picked up within a minute."""
 
 
-class LeaderCluster(Protocol):
+class LeaderCluster(ClusterReader, Protocol):
     """What the leader reads and writes of the cluster (`node.cluster.ClusterService`)."""
 
-    @property
-    def me(self) -> NodeId: ...
-    @property
-    def state(self) -> ClusterState: ...
-    @property
-    def view(self) -> View: ...
     @property
     def is_leader(self) -> bool: ...
     def alive_memory(self) -> dict[NodeId, int]: ...
@@ -79,6 +76,16 @@ def lost_nodes(record: InstanceRecord, me: NodeId, view: View) -> list[NodeId]:
     ]
 
 
+def nodes_of(records: Iterable[InstanceRecord]) -> set[NodeId]:
+    """Every node that runs a stage of one of `records` (a model's replicas: new ones go elsewhere)."""
+    return {stage.node for record in records for stage in record.stages}
+
+
+def _exists(running: list[InstanceRecord], requested: int | None) -> Exists:
+    views = tuple(instance_view(r) for r in running)
+    return Exists(instance=views[0], replicas=views, requested=requested)
+
+
 def _not_leader(still: str = "") -> Unavailable:
     return Unavailable(kind="not_leader", reason=f"this node is {still}not the leader")
 
@@ -93,41 +100,75 @@ class LeaderControl:
     def _records(self) -> list[InstanceRecord]:
         return sorted(self.cluster.state.instances().values(), key=lambda r: r.instance_id)
 
-    def _plan(self, shape: ModelShape, manifest: Manifest | None, nodes: int | None = None) -> Placement:
-        """Where `shape` goes on the nodes alive now, holders of `manifest`'s files first."""
+    def _plan(
+        self,
+        shape: ModelShape,
+        manifest: Manifest | None,
+        nodes: int | None = None,
+        *,
+        count: int = 1,
+        exclude: Collection[NodeId] = (),
+    ) -> list[Placement]:
+        """Where `count` instances of `shape` go on the nodes alive now but `exclude`, each on nodes
+        of its own, holders of `manifest`'s files first: as many as fit (PlacementError: none)."""
         held = held_bytes(manifest, self.cluster.state.holdings()) if manifest is not None else {}
         memory = sorted(self.cluster.alive_memory().items())
-        return place(shape, memory, headroom=PLACEMENT_HEADROOM, nodes_wanted=nodes, held=held)
+        return place_replicas(
+            shape, memory, count, exclude=exclude, headroom=PLACEMENT_HEADROOM, nodes_wanted=nodes, held=held
+        )
 
     async def place(self, request: PlaceInstance) -> PlaceOutcome:
+        """One instance per model (`Exists` when it runs), or with `replicas`, the missing ones."""
         if not self.cluster.is_leader:
             return _not_leader()
-        for record in self._records():
-            if record.model == request.model and not request.preview:
-                return Exists(instance=instance_view(record))
+        running = [r for r in self._records() if r.model == request.model]
+        if request.replicas is None and running and not request.preview:
+            return Exists(instance=instance_view(running[0]))
+        missing = 1 if request.replicas is None else request.replicas - len(running)
+        if missing <= 0:
+            return _exists(running, request.replicas)
+        exclude = nodes_of(running) if request.replicas is not None else set()
         try:
-            plan = self._plan(request.shape, request.manifest, request.nodes)
+            plans = self._plan(request.shape, request.manifest, request.nodes, count=missing, exclude=exclude)
         except PlacementError as exc:
-            return Invalid(kind="does_not_fit", reason=str(exc))
-        record = InstanceRecord(
-            new_instance_id(request.model),
-            ModelId(request.model),
-            plan.stages,
-            request.source,
-            request.manifest,
-            request.shape,
-            request.hub_repo,
-        )
+            if request.replicas is None or not running:
+                return Invalid(kind="does_not_fit", reason=str(exc))
+            log.info("no further replica of %s fits: %s", request.model, exc)
+            return _exists(running, request.replicas)
+        records = [
+            InstanceRecord(
+                new_instance_id(request.model),
+                ModelId(request.model),
+                plan.stages,
+                request.source,
+                request.manifest,
+                request.shape,
+                request.hub_repo,
+            )
+            for plan in plans
+        ]
         if not request.preview:
             try:
-                await self.cluster.put_instance(record)
+                for record in records:
+                    await self.cluster.put_instance(record)
             except NotLeaderError:
                 return _not_leader("no longer ")
-            log.info(
-                "placed instance %s of %s on %d node(s)", record.instance_id, record.model, len(record.stages)
-            )
+            for record in records:
+                log.info(
+                    "placed instance %s of %s on %d node(s)",
+                    record.instance_id,
+                    record.model,
+                    len(record.stages),
+                )
+        if request.replicas is not None and len(records) < missing:
+            log.info("placed %d of the %d missing replicas of %s", len(records), missing, request.model)
+        replicas = tuple(instance_view(r) for r in [*running, *records]) if request.replicas else ()
         return Placed(
-            instance=instance_view(record), stage_bytes=plan.bytes_per_stage, preview=request.preview
+            instance=instance_view(records[0]),
+            stage_bytes=plans[0].bytes_per_stage,
+            preview=request.preview,
+            replicas=replicas,
+            requested=request.replicas,
         )
 
     async def delete(self, request: DeleteInstance) -> DeleteOutcome:
@@ -163,7 +204,8 @@ class LeaderControl:
         try:
             if record.shape is None:
                 raise PlacementError("the record carries no model shape (it was placed by an older node)")
-            plan = self._plan(record.shape, record.manifest)
+            others = [r for r in self._records() if r.model == record.model and r.instance_id != iid]
+            plan = self._plan(record.shape, record.manifest, exclude=nodes_of(others))[0]
             replaced = dataclasses.replace(record, stages=plan.stages)
             if self.cluster.state.instances().get(iid) == record and replaced != record:
                 await self.cluster.put_instance(replaced)

@@ -1,7 +1,7 @@
 """Generations across nodes: a request accepted on any node runs on its instance's entry node.
 
 - `serve_generations(mesh, open_stream, cancel)`: this node runs generations for its peers. For
-  each channel on `/shoal/generate/1.0.0` it reads one `RemoteGenerate`, enters `open_stream(request)`
+  each channel on `GENERATE_PROTOCOL` it reads one `RemoteGenerate`, enters `open_stream(request)`
   (this node's own runner) and sends every event back as it comes, plus a `KeepAlive` whenever it
   has been silent for `keepalive_interval_s`. A `RemoteCancel` frame calls `cancel(request_id)`, so the
   runner's own `Finish(cancelled)` goes back; the requester closing its side, resetting or
@@ -95,7 +95,7 @@ class ServerStats:
 
 
 class GenerationServer:
-    """Serves `/shoal/generate/1.0.0`; made and registered by `serve_generations`."""
+    """Serves `GENERATE_PROTOCOL`; made and registered by `serve_generations`."""
 
     def __init__(self, open_stream: OpenStream, cancel: CancelRequest | None, config: RoutingConfig) -> None:
         self.open_stream = open_stream
@@ -268,7 +268,7 @@ class _RemoteStream:
 
 
 class RemoteGenerations:
-    """Runs generations on other nodes' runners over `/shoal/generate/1.0.0`."""
+    """Runs generations on other nodes' runners over `GENERATE_PROTOCOL`."""
 
     def __init__(self, mesh: Mesh, config: RoutingConfig | None = None) -> None:
         self.mesh = mesh

@@ -18,6 +18,7 @@ from node.backend import NodeBackend
 from node.cluster import MEMORY_ROUNDING, ClusterConfig, ClusterService
 from node.cluster_files import ClusterFiles, live_members
 from node.config import NodeConfig
+from node.failover import FailoverConfig
 from node.files import Fetcher, FileServer, HashCache, sidecar_path
 from node.instances import InstanceManager, InstanceOptions
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
@@ -117,7 +118,13 @@ async def run_node(config: NodeConfig) -> None:
         runner_spec=runner_spec,
     )
     instances = InstanceManager(cluster, mesh, options, files)
-    backend = NodeBackend(cluster, instances, RemoteGenerations(mesh))
+    backend = NodeBackend(
+        cluster,
+        instances,
+        RemoteGenerations(mesh),
+        load_wait_s=config.load_wait_s,
+        failover=FailoverConfig(timeout_s=config.failover_timeout_s),
+    )
     backend.serving = serve_generations(mesh, backend.open_local_stream, backend.cancel_local)
     app = create_app(backend, keepalive_s=config.keepalive_s, api_key=config.api_key, files=files.server)
     if config.api_key is None and not _is_loopback(config.api_host):
@@ -138,7 +145,7 @@ async def run_node(config: NodeConfig) -> None:
         await nursery.start(cluster.run)
         await nursery.start(instances.run)
         if config.model is not None:
-            nursery.start_soon(instances.ensure_instance, config.model)
+            nursery.start_soon(instances.ensure_instance, config.model, config.replicas)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s; shutting down", signal.Signals(signum).name)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
+from typing import TypeVar
 
 import httpx
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from protocol.cluster_view import ClusterView, MemberView
+from protocol.cluster_view import ClusterView, LoadView, MemberView
 
 DEFAULT_API = "http://127.0.0.1:52415"
 _STATUS_STYLE = {"unknown": "dim", "alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
@@ -23,8 +25,12 @@ class StatusError(Exception):
     """No usable answer from the node: the message says what to check."""
 
 
-def fetch_cluster(api: str, api_key: str | None = None, timeout: float = 5.0) -> ClusterView:
-    url = f"{api.rstrip('/')}/v1/cluster"
+V = TypeVar("V", bound=BaseModel)
+
+
+def get_view(api: str, path: str, view: type[V], api_key: str | None = None, timeout: float = 5.0) -> V:
+    """`GET api + path` parsed as `view`; a `StatusError` that says what to check otherwise."""
+    url = f"{api.rstrip('/')}{path}"
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(url, headers=headers, timeout=timeout)
@@ -36,9 +42,13 @@ def fetch_cluster(api: str, api_key: str | None = None, timeout: float = 5.0) ->
     if response.status_code != 200:
         raise StatusError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
     try:
-        return ClusterView.model_validate(response.json())
+        return view.model_validate(response.json())
     except (ValueError, ValidationError) as exc:
-        raise StatusError(f"{url} did not answer with a Shoal cluster view: {exc}") from exc
+        raise StatusError(f"{url} did not answer as a Shoal node does: {exc}") from exc
+
+
+def fetch_cluster(api: str, api_key: str | None = None, timeout: float = 5.0) -> ClusterView:
+    return get_view(api, "/v1/cluster", ClusterView, api_key, timeout)
 
 
 def _gb(n: int) -> str:
@@ -69,17 +79,30 @@ def render(view: ClusterView) -> Group:
     for member in view.members:
         members.add_row(*_member_row(member, view.self))
     instances = Table(title="instances")
-    for column in ("id", "model", "stages (node: layers)"):
+    for column in ("id", "model", "stages (node: layers)", "load"):
         instances.add_column(column)
+    replicas = Counter(instance.model for instance in view.instances)
     for instance in view.instances:
         stages = ", ".join(f"{s.node_id[-8:]}: {s.start_layer}-{s.end_layer}" for s in instance.stages)
         if instance.state is not None:  # its files are moving, or their transfer failed
             stages += f" ({instance.state}{': ' + instance.error if instance.error else ''})"
-        instances.add_row(instance.id, instance.model, stages)
+        model = instance.model + (
+            f" ({replicas[instance.model]} replicas)" if replicas[instance.model] > 1 else ""
+        )
+        instances.add_row(instance.id, model, stages, _load(instance.load))
     if not view.instances:
-        instances.add_row("-", "none", "")
+        instances.add_row("-", "none", "", "")
     transfers = _transfers(view)
     return Group(members, instances, *([transfers] if transfers is not None else []))
+
+
+def _load(load: LoadView | None) -> Text:
+    """An instance's load as its entry node reports it: ready or not, requests in it, served."""
+    if load is None:
+        return Text("?", style="dim")
+    text = Text("ready" if load.ready else "not ready", style="green" if load.ready else "yellow")
+    text.append(f", {load.active} active ({load.queued} queued), {load.served} served")
+    return text
 
 
 def _transfers(view: ClusterView) -> Table | None:

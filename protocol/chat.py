@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from protocol.ids import ModelId, RequestId
 
@@ -64,6 +64,27 @@ GREEDY = SamplingParams(temperature=0.0)
 """Argmax decoding: what the pipeline driver does when it is given no sampling parameters."""
 
 
+class Resume(BaseModel):
+    """Where a generation broke off, so that another instance continues it (`node.failover`).
+
+    `tokens` are the generated ids whose events the client already has (the `tokens` of the output
+    events it received, in order): the runner prefills them after the prompt, feeds them through its
+    detokenizer and parser without emitting, and starts its sampler `len(tokens)` draws in, so a
+    greedy or seeded request goes on exactly as if it had never stopped. `events` counts the output
+    events the client already has of the last token's group (the events emitted after that token and
+    before the next), which the runner leaves out once more.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tokens: tuple[NonNegativeInt, ...]
+    events: NonNegativeInt = 0
+
+    @property
+    def sampler_steps(self) -> int:
+        """Draws the request's sampler made before it broke off: one per generated token."""
+        return len(self.tokens)
+
+
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(frozen=True)
     request_id: RequestId
@@ -76,3 +97,5 @@ class GenerateRequest(BaseModel):
     count_only: bool = False
     """Only count the prompt's tokens: the runner answers `Finish` with the usage, generating nothing
     (Anthropic's `count_tokens`). The same path as a generation, so it counts what would run."""
+    resume: Resume | None = None
+    """Set by failover only (never by the API): continue a generation that broke off elsewhere."""

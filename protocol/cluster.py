@@ -1,9 +1,9 @@
 """The cluster state: a state-based CRDT of owned records, merged by version. Pure: no I/O, no clock.
 
 Data model (records in `protocol.cluster_records`):
-- Each node owns its `NodeProfile`, its `Liveness`, its `NodeHoldings` and its `NodeTransfers`,
-  keyed by its node id, versioned (incarnation, counter). The counter is one per node, shared by
-  its records, and every write bumps it: the `Liveness` version is the node's heartbeat.
+- Each node owns its `NodeProfile`, its `Liveness`, its `NodeHoldings`, its `NodeTransfers` and its
+  `NodeLoad`, keyed by its node id, versioned (incarnation, counter). The counter is one per node,
+  shared by its records, and every write bumps it: the `Liveness` version is the node's heartbeat.
 - The leader owns the `LeaderClaim` (one key) and the `InstanceRecord`s (one key per instance),
   versioned (term, counter). A higher term beats any lower one, key by key; a new leader inherits
   every instance record until it rewrites or deletes it (no wipe on a term change).
@@ -35,6 +35,7 @@ from protocol.cluster_records import (
     LeaderClaim,
     Liveness,
     NodeHoldings,
+    NodeLoad,
     NodeProfile,
     NodeTransfers,
     RecordKey,
@@ -48,7 +49,7 @@ from protocol.cluster_records import (
 from protocol.ids import InstanceId, NodeId
 
 _LEADER_KEY: RecordKey = (RecordKind.LEADER, LEADER_KEY_ID)
-_Owned = TypeVar("_Owned", NodeHoldings, NodeTransfers)
+_Owned = TypeVar("_Owned", NodeHoldings, NodeTransfers, NodeLoad)
 
 
 class NotLeaderError(RuntimeError):
@@ -192,6 +193,10 @@ class ClusterState:
         """Writes the model files moving to `node` if they changed, like `with_profile`."""
         return self._with_own(RecordKind.TRANSFERS, node, transfers)
 
+    def with_load(self, node: NodeId, load: NodeLoad) -> ClusterState:
+        """Writes the load of the instances `node` is the entry of if it changed, like `with_profile`."""
+        return self._with_own(RecordKind.LOAD, node, load)
+
     def _with_own(self, kind: RecordKind, node: NodeId, value: RecordValue) -> ClusterState:
         current = self._entries.get((kind, node))
         if current is not None and current.value == value:
@@ -262,6 +267,9 @@ class ClusterState:
 
     def transfers(self) -> dict[NodeId, NodeTransfers]:
         return self._owned(RecordKind.TRANSFERS, NodeTransfers)
+
+    def loads(self) -> dict[NodeId, NodeLoad]:
+        return self._owned(RecordKind.LOAD, NodeLoad)
 
     def _owned(self, kind: RecordKind, cls: type[_Owned]) -> dict[NodeId, _Owned]:
         return {

@@ -28,10 +28,12 @@ import cbor2
 from protocol.cluster import ClusterState, Digest
 from protocol.cluster_records import (
     Entry,
+    EntryLoad,
     InstanceRecord,
     LeaderClaim,
     Liveness,
     NodeHoldings,
+    NodeLoad,
     NodeProfile,
     NodeTransfers,
     RecordError,
@@ -58,9 +60,9 @@ from protocol.codec_fields import (
 )
 from protocol.ids import InstanceId, ModelId, NodeId
 
-SCHEMA_VERSION = 3
-"""Bump on any change to a record's or a message's layout. 3: instance records carry the model's
-manifest, shape and hub repo; holdings and transfers records."""
+SCHEMA_VERSION = 4
+"""Bump on any change to a record's or a message's layout. 4: load records. 3: instance records
+carry the model's manifest, shape and hub repo; holdings and transfers records."""
 MAX_MESSAGE_BYTES = 512 * 1024
 """Half of GossipSub's 1 MiB delivery limit; `encode_delta` splits bigger deltas."""
 MAX_DEPTH = 8
@@ -132,6 +134,8 @@ def _value_to_wire(value: RecordValue | None) -> Any:
             return holdings_to_wire(value.models)
         case NodeTransfers():
             return transfers_to_wire(value.transfers)
+        case NodeLoad():
+            return [[e.instance_id, e.ready, e.active, e.queued, e.served] for e in value.entries]
         case _:
             assert_never(value)
 
@@ -291,6 +295,8 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
         return NodeHoldings(holdings_from_wire(obj))
     if kind is RecordKind.TRANSFERS:
         return NodeTransfers(transfers_from_wire(obj))
+    if kind is RecordKind.LOAD:
+        return NodeLoad(tuple(_entry_load(item) for item in wire_list(obj, "loads")))
     f = wire_list(obj, "instance", 7)
     stages = []
     for item in wire_list(f[2], "stages"):
@@ -306,6 +312,14 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
         shape_from_wire(f[5]),
         wire_str(f[6], "hub_repo"),
     )
+
+
+def _entry_load(obj: object) -> EntryLoad:
+    f = wire_list(obj, "load", 5)
+    if type(f[1]) is not bool:
+        raise WireDecodeError("load.ready: expected a bool")
+    counts = (wire_int(f[i], "load count") for i in (2, 3, 4))
+    return EntryLoad(InstanceId(wire_str(f[0], "instance_id")), f[1], *counts)
 
 
 def _kind(obj: object) -> RecordKind:

@@ -1,11 +1,11 @@
 """The records of the cluster state, their owners and their size limits. Pure values, no I/O.
 
 Every record lives under a key `(kind, id)` and is wrapped in an `Entry` that says who wrote it
-(`owner`) and at which `version`. Four kinds are owned by a node (its profile, its liveness claim,
-the model files it holds and those moving to it, keyed by the node's id); two are owned by the
-leader (the leader claim, a singleton, and one record per instance). See `protocol.cluster` for
-how entries merge. The files a node holds and its transfers are records of their own, so the
-frequent profile and heartbeat writes never carry them, nor they each other.
+(`owner`) and at which `version`. Five kinds are owned by a node (its profile, its liveness claim,
+the model files it holds, those moving to it, and the load of the instances it is the entry of),
+keyed by its id; two by the leader (the leader claim, a singleton, and one record per instance).
+See `protocol.cluster` for how entries merge. Files, transfers and loads are records of their own,
+so the frequent profile and heartbeat writes never carry them, nor they each other.
 
 The limits below are enforced when a record is built, so a state never holds a record that the wire
 codec (`protocol.cluster_codec`) would refuse: what one node writes, every node can decode.
@@ -48,6 +48,8 @@ MAX_ERROR_CHARS = 512
 """Why a transfer failed; longer reasons are cut by the writer."""
 MANIFEST_ID_CHARS = 64
 """A manifest id is a SHA-256 in hex."""
+MAX_ENTRY_LOADS = 64
+"""Instances one node reports the load of (those it is the entry of: one per model it serves)."""
 
 
 class RecordKind(IntEnum):
@@ -59,9 +61,10 @@ class RecordKind(IntEnum):
     INSTANCE = 4
     HOLDINGS = 5
     TRANSFERS = 6
+    LOAD = 7
 
 
-NODE_KINDS = (RecordKind.PROFILE, RecordKind.LIVENESS, RecordKind.HOLDINGS, RecordKind.TRANSFERS)
+NODE_KINDS = tuple(k for k in RecordKind if k not in (RecordKind.LEADER, RecordKind.INSTANCE))
 """Kinds keyed and owned by one node: only that node writes them."""
 LEADER_KEY_ID = ""
 """The id of the single `LEADER` record."""
@@ -300,7 +303,42 @@ class NodeTransfers:
                 raise RecordError("a transfer's rate must be finite")
 
 
-RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord | NodeHoldings | NodeTransfers
+@dataclass(frozen=True, slots=True)
+class EntryLoad:
+    """How an instance whose first stage runs on the reporting node is doing: whether its runner
+    takes requests, and how many are in it (`active`: running or waiting; `served`: since start)."""
+
+    instance_id: InstanceId
+    ready: bool
+    active: int
+    queued: int
+    served: int
+
+    def __post_init__(self) -> None:
+        check_node_id("load instance_id", self.instance_id)
+        if type(self.ready) is not bool:
+            raise RecordError("ready must be a bool")
+        for name in ("active", "queued", "served"):
+            _check_int(name, getattr(self, name))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """The instances a node is the entry of, and their load (`protocol.replicas` routes by it)."""
+
+    entries: tuple[EntryLoad, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.entries, tuple) or len(self.entries) > MAX_ENTRY_LOADS:
+            raise RecordError(f"a node reports at most {MAX_ENTRY_LOADS} instance loads")
+        if not all(isinstance(e, EntryLoad) for e in self.entries):
+            raise RecordError("entries must hold EntryLoad values")
+        ids = [e.instance_id for e in self.entries]
+        if ids != sorted(set(ids)):
+            raise RecordError("loads must be sorted by instance id, each once")
+
+
+RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord | NodeHoldings | NodeTransfers | NodeLoad
 VALUE_TYPES: dict[RecordKind, type] = {
     RecordKind.PROFILE: NodeProfile,
     RecordKind.LIVENESS: Liveness,
@@ -308,6 +346,7 @@ VALUE_TYPES: dict[RecordKind, type] = {
     RecordKind.INSTANCE: InstanceRecord,
     RecordKind.HOLDINGS: NodeHoldings,
     RecordKind.TRANSFERS: NodeTransfers,
+    RecordKind.LOAD: NodeLoad,
 }
 
 

@@ -55,6 +55,19 @@ class StageView(_View):
     end_layer: int
 
 
+class LoadView(_View):
+    """An instance's load as its entry node (the first stage's) reports it."""
+
+    ready: bool
+    """Its runner takes requests; requests go to the least loaded ready replica of a model."""
+    active: int
+    """Requests in its runner now, running or waiting."""
+    queued: int
+    """Of those, the ones waiting for a place in the batch."""
+    served: int
+    """Requests it took since its node started."""
+
+
 class InstanceView(_View):
     id: str
     model: str
@@ -65,6 +78,8 @@ class InstanceView(_View):
     """From the stage nodes' transfers: "loading" while files move, "failed" when the latest transfer
     failed (retried after a backoff; `error` says why); None when they say nothing (the runners tell)."""
     error: str | None = None
+    load: LoadView | None = None
+    """None until its entry node has reported (or when the view was built without loads)."""
 
 
 class ClusterView(_View):

@@ -1,4 +1,4 @@
-"""Control requests over `/shoal/control/2.0.0`: place, preview and delete instances; stage addresses.
+"""Control requests over `CONTROL_PROTOCOL`: place, preview and delete instances; stage addresses.
 
 Any node accepts `POST /v1/instances`; it resolves the model itself (so it can read the model's shape
 and hash its files into a manifest) and forwards a `PlaceInstance` to the leader, which alone writes
@@ -14,17 +14,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, StrictInt, TypeAdapter
 
 from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.cluster_view import InstanceView
 from protocol.manifest import Manifest
-from protocol.placement import ModelShape
+from protocol.placement import MAX_REPLICAS, ModelShape
 
-CONTROL_PROTOCOL = "/shoal/control/3.0.0"
-"""3.0.0: a place request carries the model's manifest. 2.0.0: typed outcomes replaced 1.0.0's
-`ControlAnswer` with HTTP status codes. A node of another version does not speak this protocol, and
-asking it reads as `Unavailable`."""
+CONTROL_PROTOCOL = "/shoal/control/4.0.0"
+"""4.0.0: a place request may ask for replicas, and its answer lists them. 3.0.0: a place request
+carries the model's manifest. 2.0.0: typed outcomes replaced 1.0.0's `ControlAnswer` with HTTP
+status codes. A node of another version does not speak this protocol: asking it is `Unavailable`."""
 MAX_CONTROL_BYTES = 1024 * 1024
 
 
@@ -41,6 +41,9 @@ class PlaceInstance(WireMessage):
     """The model's files as the requesting node holds them (None for a preview: nothing is hashed)."""
     hub_repo: str = ""
     """The Hugging Face repo the model came from, for stage nodes no peer can serve; else empty."""
+    replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
+    """Keep this many instances of the model, on disjoint nodes: the leader places the missing ones
+    (as many as fit). None: one instance per model, `Exists` when there is one."""
 
 
 class DeleteInstance(WireMessage):
@@ -57,13 +60,22 @@ class Placed(WireMessage):
     stage_bytes: tuple[int, ...] = ()
     """Bytes each stage needs, in stage order."""
     preview: bool = False
+    replicas: tuple[InstanceView, ...] = ()
+    """With `PlaceInstance.replicas`: every instance of the model after the request (the running
+    ones by id, then the new ones); `instance` is the first new one."""
+    requested: int | None = None
+    """The replicas asked for; `replicas` holds fewer when no more fit."""
 
 
 class Exists(WireMessage):
-    """The model already has an instance (one per model): this one; nothing was written."""
+    """The model already has an instance (or as many replicas as asked, or no more fit): this one;
+    nothing was written."""
 
     type: Literal["exists"] = "exists"
     instance: InstanceView
+    replicas: tuple[InstanceView, ...] = ()
+    """As `Placed.replicas`; `instance` is the first of them."""
+    requested: int | None = None
 
 
 class Deleted(WireMessage):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 
 class _Event(BaseModel):
@@ -26,21 +26,28 @@ class Usage(_Event):
         return self.prompt_tokens + self.completion_tokens
 
 
-class TextDelta(_Event):
+class _Output(_Event):
+    tokens: tuple[NonNegativeInt, ...] = ()
+    """The generated token ids the runner consumed since its previous output event (empty for a
+    second event from the same token). Encoders ignore them; failover collects them, so that
+    another instance can continue exactly here (`protocol.chat.Resume`)."""
+
+
+class TextDelta(_Output):
     """A piece of the answer's visible content."""
 
     kind: Literal["text"] = "text"
     text: str
 
 
-class ReasoningDelta(_Event):
+class ReasoningDelta(_Output):
     """A piece of the model's reasoning (harmony analysis channel, `<think>` blocks)."""
 
     kind: Literal["reasoning"] = "reasoning"
     text: str
 
 
-class ToolCall(_Event):
+class ToolCall(_Output):
     """One complete tool call; `arguments` is a JSON document as a string, as OpenAI sends it."""
 
     kind: Literal["tool_call"] = "tool_call"
@@ -77,6 +84,13 @@ class Finish(_Event):
 ErrorKind = Literal["invalid_request", "server_error", "overloaded"]
 
 
+RUNNER_UNAVAILABLE = "runner_unavailable"
+"""`GenerationError.code`: the runner died, was stopped, or is not ready (failover retries it)."""
+PIPELINE_FAILED = "pipeline_failed"
+"""`GenerationError.code`: a link or a later stage of a pipeline broke off mid-request (failover
+retries it)."""
+
+
 class GenerationError(_Event):
     """The generation could not run or broke off.
 
@@ -97,6 +111,8 @@ ChunkEvent = Annotated[
     Field(discriminator="kind"),
 ]
 TerminalEvent = Finish | GenerationError
+OutputEvent = TextDelta | ReasoningDelta | ToolCall
+"""What a generation's tokens turn into (the events that carry `tokens`)."""
 
 
 def is_terminal(event: ChunkEvent) -> bool:

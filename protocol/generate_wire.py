@@ -1,4 +1,4 @@
-"""The wire of `/shoal/generate/1.0.0`: a generation run on another node, its events streamed back.
+"""The wire of `/shoal/generate/1.1.0`: a generation run on another node, its events streamed back.
 
 One channel (node/net/channel.py: length-prefixed frames over one libp2p stream) per request,
 straight between the node that accepted the request and the instance's entry node:
@@ -11,6 +11,12 @@ Each frame is one CBOR-encoded message, a tagged union of frozen pydantic models
 `runner_wire` (whose `Generate`/`Cancel` go from a node to its own runner: hence `Remote` here).
 Sans-I/O: `encode`/`decode_*` only; `node/routing.py` moves the bytes.
 The `type` tags are ONLY APPENDED: a node never reuses or renames one.
+
+Versions (the protocol id names the version; a node speaks one, so peers of another version cannot
+open a channel and the requester reports the peer `node_unavailable` instead of misreading it):
+- 1.0.0: the first.
+- 1.1.0: failover. A request may carry `resume` (the tokens its client already has) and output
+  events carry the generated token ids they consumed (`tokens`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from protocol.cbor_messages import T, WireMessage, decode_cbor, encode_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
 
-GENERATE_PROTOCOL = "/shoal/generate/1.0.0"
+GENERATE_PROTOCOL = "/shoal/generate/1.1.0"
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Cap on one message, both ways (as `runner_wire.MAX_FRAME_BYTES`): a request may carry a long
 conversation; events are small. A larger one is a protocol violation."""

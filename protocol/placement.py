@@ -22,6 +22,9 @@
    that fits it stays there, and a split reuses the holders; rule 2 still comes first (never more
    nodes to avoid a transfer), and within the set chosen, rule 3 orders the stages.
 
+Replicas (`place_replicas`): up to N placements on disjoint sets of nodes, each chosen as above
+on the nodes the earlier ones (and the model's running replicas) left free; as many as fit.
+
 When nothing fits, `PlacementError` says what the model needs and what each node has. A `Placement`
 is a plan only (`place` changes nothing): an API can show it before the leader writes it as an
 `InstanceRecord` (`Placement.instance`).
@@ -29,17 +32,20 @@ is a plan only (`place` changes nothing): an API can show it before the leader w
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.cluster_records import MAX_STAGES, InstanceRecord, StageAssignment
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.model_shape import ModelShape, prefix_sums
 
-__all__ = ["ModelShape", "Placement", "PlacementError", "format_bytes", "place"]
+__all__ = ["ModelShape", "Placement", "PlacementError", "format_bytes", "place", "place_replicas"]
 
 MAX_NODES_IN_MESSAGE = 16
 """An error lists this many nodes (the largest) and counts the rest: messages stay readable."""
+MAX_REPLICAS = 64
+"""Replicas one request may ask for: each needs nodes of its own, and Shoal's clusters are a few
+machines to a few dozen; a larger number is a mistake, refused before any work."""
 
 
 class PlacementError(ValueError):
@@ -95,6 +101,40 @@ def place(
             if (found := _place_on(shape, prefix, chosen)) is not None:
                 return found
     raise PlacementError(_no_fit_message(shape, ranked, headroom, nodes_wanted))
+
+
+def place_replicas(
+    shape: ModelShape,
+    nodes: Sequence[tuple[NodeId, int]],
+    count: int,
+    *,
+    exclude: Collection[NodeId] = (),
+    headroom: float = 0.0,
+    nodes_wanted: int | None = None,
+    held: Mapping[NodeId, int] | None = None,
+) -> list[Placement]:
+    """Up to `count` placements of `shape`, none sharing a node with another or using one in
+    `exclude` (the nodes of the model's running replicas); `place` chooses each on the nodes still
+    free. As many as fit come back, in order; `PlacementError` only when not even one fits."""
+    if not 1 <= count <= MAX_REPLICAS:
+        raise ValueError(f"count must be in [1, {MAX_REPLICAS}], not {count!r}")
+    free = [(node, available) for node, available in nodes if node not in exclude]
+    if not free and nodes:
+        raise PlacementError(f"every live node already runs a replica of model {shape.model}")
+    plans: list[Placement] = []
+    while len(plans) < count:
+        try:
+            plan = place(shape, free, headroom=headroom, nodes_wanted=nodes_wanted, held=held)
+        except PlacementError:
+            if not plans:
+                raise
+            break
+        plans.append(plan)
+        used = {stage.node for stage in plan.stages}
+        free = [(node, available) for node, available in free if node not in used]
+        if not free:
+            break
+    return plans
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,13 @@ from protocol.cluster import ClusterState
 from protocol.cluster_records import (
     LEADER_KEY_ID,
     Entry,
+    EntryLoad,
     Holding,
     InstanceRecord,
     LeaderClaim,
     Liveness,
     NodeHoldings,
+    NodeLoad,
     NodeProfile,
     NodeTransfers,
     RecordKey,
@@ -93,6 +95,14 @@ transfers = st.builds(
         max_size=2,
     ).map(tuple),
 )
+loads = st.builds(
+    NodeLoad,
+    st.lists(
+        st.builds(EntryLoad, st.sampled_from(INSTANCES), st.booleans(), small, small, small),
+        max_size=2,
+        unique_by=lambda e: e.instance_id,
+    ).map(lambda es: tuple(sorted(es, key=lambda e: e.instance_id))),
+)
 
 
 @st.composite
@@ -115,6 +125,7 @@ def entries(draw: st.DrawFn) -> tuple[RecordKey, Entry]:
         RecordKind.LIVENESS: livenesses,
         RecordKind.HOLDINGS: holdings,
         RecordKind.TRANSFERS: transfers,
+        RecordKind.LOAD: loads,
     }
     value: RecordValue | None
     if kind in owned:

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tokenizers import Tokenizer
 
-ModelType = Literal["llama", "qwen3"]
+ModelType = Literal["llama", "qwen2", "qwen3"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 TOKENIZER_FILES = (
@@ -59,7 +59,9 @@ def random_model_config(
     """A Hugging Face style config.json for `model_type` with these sizes."""
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-    architecture = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+        model_type
+    ]
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,

@@ -1,6 +1,8 @@
 """`python -m tests.slow_node run ...`: `shoal run` whose model-file route sends slowly (a slow link),
 so a test sees a transfer in progress rather than only its end: 256 KiB per `SHOAL_TEST_FILE_PAUSE_S`
-(default 0.05 s, ~5 MB/s). Everything else is the real node.
+(default 0.05 s, ~5 MB/s). Each response, finished or cut, ends with a line on stdout,
+`served <requester> <url path> from <range start> <body bytes>`, so a test counts the bytes a node
+served. Everything else is the real node.
 """
 
 from __future__ import annotations
@@ -23,12 +25,23 @@ class _SlowFileResponse(api.files._ChunkedFileResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         pause = float(os.environ.get("SHOAL_TEST_FILE_PAUSE_S", "0.05"))
 
+        sent = 0
+
         async def slow_send(message: Any) -> None:
+            nonlocal sent
             await send(message)
             if message["type"] == "http.response.body" and message.get("body"):
+                sent += len(message["body"])
                 await trio.sleep(pause)
 
-        await super().__call__(scope, receive, slow_send)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        start = headers.get("range", "bytes=0-").removeprefix("bytes=").split("-")[0] or "0"
+        try:
+            await super().__call__(scope, receive, slow_send)
+        finally:
+            print(
+                f"served {headers.get('x-shoal-node', '-')} {scope['path']} from {start} {sent}", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from protocol.runner_wire import (
 AS_USERS_SEE_THEM = {
     "model": "smollm2-135m",
     "no_model": False,
+    "replicas": 1,
     "api_host": "0.0.0.0",
     "api_port": 52415,
     "data_dir": None,
@@ -41,6 +42,8 @@ AS_USERS_SEE_THEM = {
     "max_queued": 32,
     "prefix_cache_tokens": 8192,
     "sse_keepalive": 10.0,
+    "failover_timeout": 60.0,
+    "load_wait": 300.0,
     "no_fast_path": False,
 }
 """`shoal run`'s flags and defaults as the README documents them."""
@@ -73,9 +76,15 @@ def test_each_flag_sets_its_setting() -> None:
         "--max-queued=3",
         "--prefix-cache-tokens=0",
         "--sse-keepalive=0.5",
+        "--failover-timeout=5",
+        "--load-wait=2",
         "--no-fast-path",
+        "--replicas=3",
     )
     assert (config.model, config.api_host, config.api_port, config.keepalive_s) == (None, "127.0.0.1", 0, 0.5)
+    assert config.load_wait_s == 2.0
+    assert config.failover_timeout_s == 5.0
+    assert config.replicas == 3
     assert config.runner == RunnerSettings(
         prefill_step_size=64, max_concurrent=2, max_queued=3, prefix_cache_tokens=0, fast_path=False
     )
@@ -87,6 +96,7 @@ def test_each_flag_sets_its_setting() -> None:
     [
         (["--api-port", "70000"], "shoal: --api-port must be between 0 and 65535, got 70000"),
         (["--sse-keepalive", "0"], "shoal: --sse-keepalive must be a positive number of seconds, got 0.0"),
+        (["--replicas", "0"], "shoal: --replicas must be between 1 and 64, got 0"),
     ],
 )
 def test_an_unusable_value_is_refused_with_the_flag_named(

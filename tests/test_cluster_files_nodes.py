@@ -3,17 +3,20 @@
 Node A holds the models; B and C run in mount namespaces of their own (`unshare -m`) in which A's
 model folder is an empty tmpfs, so whatever they run they must have fetched from A, into their own
 data dir (`models/cluster/<manifest id>/`). The cluster has a secret, and A an API key: peers
-download without the user's key, strangers cannot download at all. A serves files slowly (5 MB/s,
-`tests.slow_node`), so the transfers are seen in progress in `/v1/cluster`, not only done.
+download without the user's key, strangers cannot download at all. Every node serves files slowly
+(5 MB/s, `tests.slow_node`, which also logs each response's bytes), so the transfers are seen in
+progress in `/v1/cluster`, not only done, and a node can be killed half way through one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from tests.test_instances import _tokens
 from tests.waiting import wait_until
 
 CLUSTER, SECRET, API_KEY = "files-e2e", "the cluster secret", "the user's key"
+SLOW = "tests.slow_node"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
@@ -57,6 +61,8 @@ class Trio:
     """A's model folder; an empty tmpfs for B and C."""
     data: dict[str, Path]
     """node id -> data dir."""
+    start_peer: Callable[[Path], RunningNode]
+    """Start (or restart) a node like B and C on this data dir."""
 
     @property
     def nodes(self) -> list[RunningNode]:
@@ -74,27 +80,29 @@ def trio_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     common = ("--cluster", CLUSTER, "--cluster-secret", SECRET)
     env = {"HF_HUB_OFFLINE": "1"}
     dirs = [tmp_path_factory.mktemp(name) for name in ("a", "b", "c")]
-    a = start_node(
-        *common, "--api-key", API_KEY, data_dir=dirs[0], model=None, env=env, module="tests.slow_node"
-    )
-    nodes = [a]
+    a = start_node(*common, "--api-key", API_KEY, data_dir=dirs[0], model=None, env=env, module=SLOW)
+    started = [a]
+
+    def start_peer(data_dir: Path) -> RunningNode:
+        peer = ("--peer", a.p2p_addr)
+        node = start_node(
+            *common, *peer, data_dir=data_dir, model=None, env=env, prefix=hidden_from(hidden), module=SLOW
+        )
+        started.append(node)
+        return node
+
     try:
-        for data_dir in dirs[1:]:
-            peer = ("--peer", a.p2p_addr)
-            nodes.append(
-                start_node(*common, *peer, data_dir=data_dir, model=None, env=env, prefix=hidden_from(hidden))
-            )
+        nodes = [a, *(start_peer(d) for d in dirs[1:])]
 
         def all_alive() -> bool:
             views = [_view(n) for n in nodes]
             return all(sum(m["status"] == "alive" for m in v["members"]) == 3 and v["leader"] for v in views)
 
         wait_until(all_alive, 30, "three nodes alive, with a leader")
-        yield Trio(
-            nodes[0], nodes[1], nodes[2], hidden, {n.node_id: d for n, d in zip(nodes, dirs, strict=True)}
-        )
+        data = {n.node_id: d for n, d in zip(nodes, dirs, strict=True)}
+        yield Trio(nodes[0], nodes[1], nodes[2], hidden, data, start_peer)
     finally:
-        for node in nodes:
+        for node in started:
             node.stop()
 
 
@@ -170,10 +178,43 @@ def test_a_folder_on_one_node_serves_over_three_each_fetching_only_its_shards(
     assert steps == sorted(steps) and len(set(steps)) >= 2, steps
     assert next(m for m in _view(trio.b)["members"] if m["id"] == node)["models"]  # it serves them on
 
+    _models_show_what_each_node_holds(trio, instance, manifest)
     # Peers download without the user's API key (their requests are signed with the cluster key);
     # a request not signed, or signed with another cluster's key, gets nothing.
     _secret_guards_the_files(trio, manifest)
     _delete(trio, instance)
+
+
+def _shoal_models(node: RunningNode, *flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "node.cli", "models", "--api", node.base_url, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+
+
+def _models_show_what_each_node_holds(trio: Trio, instance: dict[str, Any], manifest: Manifest) -> None:
+    """`shoal models`, asked of B: each node with the bytes of the model's files it holds (as on
+    its disk), and the instance using them where it runs a stage now."""
+    assert _shoal_models(trio.a, "--json").returncode == 1  # A has an API key: refused without it
+    table = _shoal_models(trio.b)
+    assert table.returncode == 0 and "tiny4" in table.stdout, table.stderr
+    answer = json.loads(_shoal_models(trio.b, "--json").stdout)
+    nodes = {n["node"]: n for n in answer["nodes"]}
+    assert set(nodes) == {n.node_id for n in trio.nodes} and answer["self"] == trio.b.node_id
+    running = {
+        s["node_id"] for i in _view(trio.b)["instances"] if i["id"] == instance["id"] for s in i["stages"]
+    }
+    for node in trio.nodes:
+        [held] = [m for m in nodes[node.node_id]["models"] if m["manifest_id"] == manifest.id]
+        assert held["model"] == "tiny4" and held["in_use"] == (
+            [instance["id"]] if node.node_id in running else []
+        )
+        assert (held["files_total"], held["bytes_total"]) == (len(manifest.files), manifest.total_bytes)
+        if node is trio.a:  # the original: every file
+            assert held["bytes_held"] == manifest.total_bytes
+            continue
+        copy = trio.data[node.node_id] / "models" / "cluster" / manifest.id
+        on_disk = [p for p in copy.iterdir() if not p.name.startswith(".")]
+        assert held["files_held"] == len(on_disk) < len(manifest.files)
+        assert held["bytes_held"] == sum(p.stat().st_size for p in on_disk)
 
 
 def _secret_guards_the_files(trio: Trio, manifest: Manifest) -> None:
@@ -208,3 +249,84 @@ def test_a_gguf_on_one_node_serves_over_three(trio_cluster: Trio, builtin_model_
         copy = trio.data[node.node_id] / "models" / "cluster" / instance["manifest_id"]
         assert (copy / "config.json").is_file() and (copy / "model.safetensors").is_file()
     _delete(trio, instance)
+
+
+SERVED = re.compile(r"^served (\S+) /v1/files/(\w+)/(\S+) from (\d+) (\d+)$")
+WEIGHTS = "model.safetensors"
+WRITE_SLACK = 2 * 1024 * 1024
+"""Bytes a killed fetcher may have received but not written (its 1 MiB write buffer, and more)."""
+
+
+def _served(trio: Trio, requester: str, manifest_id: str, path: str) -> list[tuple[int, int]]:
+    """(range start, bytes sent) of each response of `path` any node sent `requester`."""
+    found = []
+    for node in trio.nodes:
+        for line in node.log:
+            if (m := SERVED.match(line.strip())) and m.groups()[:3] == (requester, manifest_id, path):
+                found.append((int(m[4]), int(m[5])))
+    return found
+
+
+def _restart_b(trio: Trio) -> None:
+    """Start B again on its data dir (same identity), and wait until the cluster has it back."""
+    trio.b = trio.start_peer(trio.data[trio.b.node_id])
+    ids = {n.node_id for n in trio.nodes}
+    wait_until(
+        lambda: all(
+            {m["id"] for m in _view(n)["members"] if m["status"] == "alive"} == ids for n in trio.nodes
+        ),
+        30,
+        "B alive again in every view",
+    )
+
+
+def _place_again(trio: Trio, instance: dict[str, Any], model: Path) -> dict[str, Any]:
+    """Delete `instance` (re-placed without B while B was down) and place the model on all three,
+    retrying while the cluster settles (a leader that B's restart unseated answers 503 meanwhile)."""
+    again = _place_afresh(trio, instance, model)
+    _wait_ready(trio, again, [])
+    return again
+
+
+def _place_afresh(trio: Trio, instance: dict[str, Any], model: Path) -> dict[str, Any]:
+    """`instance` deleted and the model placed on all three again, without waiting for it to run."""
+
+    def deleted() -> bool:
+        url = f"{trio.a.base_url}/v1/instances/{instance['id']}"
+        return httpx.delete(url, headers=AUTH, timeout=30).status_code in (200, 404)
+
+    wait_until(deleted, 60, "the instance deleted", interval=0.5)
+    placed: dict[str, Any] = wait_until(
+        lambda: _place(trio, model), 60, "the model placed on all three again", interval=0.5
+    )
+    return placed
+
+
+def test_a_node_killed_half_way_resumes_after_its_restart(
+    trio_cluster: Trio, builtin_model_dir: Path
+) -> None:
+    """B is killed (SIGKILL) with part of the weights on disk; restarted, it asks only for the rest."""
+    trio = trio_cluster
+    model = make_random_model(
+        trio.hidden / "resumable", num_layers=3, tokenizer_from=builtin_model_dir, seed=1
+    )
+    manifest = folder_manifest(model, HashCache(None))
+    size = next(e.size for e in manifest.files if e.path == WEIGHTS)
+    instance = _place(trio, model)  # no weight index: every stage needs the one weights file
+    parts = trio.data[trio.b.node_id] / "models" / "cluster" / f".{manifest.id}.fetch" / ".parts"
+
+    def part_bytes() -> int:
+        return sum(p.stat().st_size for p in parts.glob(f"{WEIGHTS}.*.part")) if parts.is_dir() else 0
+
+    wait_until(lambda: 0 < part_bytes() < size // 2, 60, "B part way through the weights", interval=0.02)
+    trio.b.process.kill()
+    trio.b.process.wait(10)
+    kept = part_bytes()
+    _restart_b(trio)
+    _place_again(trio, instance, model)
+
+    copy = trio.data[trio.b.node_id] / "models" / "cluster" / manifest.id / WEIGHTS
+    assert copy.read_bytes() == (model / WEIGHTS).read_bytes()
+    served = _served(trio, trio.b.node_id, manifest.id, WEIGHTS)
+    assert kept in {start for start, _ in served if start > 0}, (kept, served)  # it resumed from its part
+    assert sum(sent for _, sent in served) <= size + WRITE_SLACK, served  # never the whole file twice

@@ -89,7 +89,9 @@ class FakeBackend:
     async def local_models(self) -> Sequence[ModelFileView]:
         return [ModelFileView(name=name, model_type="llama", size_bytes=10) for name in self.outcomes]
 
-    async def place_instance(self, model: str, nodes: int | None, *, preview: bool) -> PlaceOutcome:
+    async def place_instance(
+        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+    ) -> PlaceOutcome:
         assert preview
         outcome = self.outcomes[model]
         if outcome is None:

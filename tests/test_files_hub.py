@@ -4,6 +4,7 @@ pointed at with `HF_ENDPOINT`; and `HF_HUB_OFFLINE=1` meaning peers only."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +13,8 @@ import pytest
 
 from node.files import Fetcher, FetchError, HashCache, HubRef, Peer, fetch_from_hub, folder_manifest
 from node.models.hub import hub_model_dir
-from protocol.manifest import Manifest
-from tests.file_peers import KEY, file_peer, run, write_files
+from protocol.manifest import INDEX_FILE, Manifest, stage_paths
+from tests.file_peers import KEY, file_peer, run, sharded_model, write_files
 from tests.test_models_resolve import FakeHub
 
 REPO = "test-org/tiny-model"
@@ -108,3 +109,31 @@ def test_offline_means_peers_only(repo_folder: Path, tmp_path: Path, monkeypatch
             assert got == tmp_path / "t" and served.body_bytes == manifest.total_bytes
 
     run(main)
+
+
+def test_a_stage_gets_only_its_files_from_the_hub(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage of layers [2, 4) of 4: the hub sends the metadata, then only that stage's shards
+    (`allow_patterns`), each checked; offline, the same files on disk are enough."""
+    folder = tmp_path / "sharded"
+    write_files(folder, sharded_model(num_layers=4, shard_bytes=50_000))
+    hub.add_repo(REPO, folder)
+    manifest = folder_manifest(folder, HashCache(None))
+    index, config = (json.loads((folder / name).read_text()) for name in (INDEX_FILE, "config.json"))
+    wanted = stage_paths(manifest, index, config, start=2, end=4)
+    hub_ref = HubRef(REPO, tmp_path / "data")
+
+    async def stage() -> None:
+        got = await fetcher().fetch_stage(manifest, tmp_path / "t", [], start=2, end=4, hub=hub_ref)
+        assert got == hub_model_dir(REPO, hub_ref.data_dir)
+        assert {p.name for p in got.iterdir() if not p.name.startswith(".")} == wanted
+        assert all((got / p).read_bytes() == (folder / p).read_bytes() for p in wanted)
+
+    run(stage)
+    fetched = {r.rsplit("/", 1)[-1] for r in hub.requests if r.startswith(f"GET /{REPO}/resolve/")}
+    assert fetched == wanted and len(wanted) < len(manifest.files)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.requests.clear()
+    run(stage)
+    assert not hub.requests

@@ -122,7 +122,7 @@ def test_template_plain_chat(hf_tokenizer: Any) -> None:
     assert fmt.stop_token_ids == frozenset({hf_tokenizer.convert_tokens_to_ids("<|im_end|>")})
     parser = fmt.new_parser()
     assert isinstance(parser, TaggedTextParser)
-    assert [e.model_dump() for e in parser.feed(0, "<think>x</think>y")] == [
+    assert [e.model_dump(exclude={"tokens"}) for e in parser.feed(0, "<think>x</think>y")] == [
         {"kind": "reasoning", "text": "x"},
         {"kind": "text", "text": "y"},
     ]

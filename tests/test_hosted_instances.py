@@ -175,3 +175,36 @@ def test_a_stage_address_is_only_given_for_the_very_stage_asked_about() -> None:
     assert answer_stage_address(other_layers, pipeline, ME, "10.0.0.2:5000").address is None
     stale = asked.model_copy(update={"nodes": (ME, OTHER)})  # the asker's record differs from ours
     assert answer_stage_address(stale, pipeline, ME, "10.0.0.2:5000").address is None
+
+
+def test_a_waiter_wakes_when_the_runner_is_published_not_before() -> None:
+    """What a request for a loading model waits on (`NodeBackend`): a reconcile, then the runner
+    once the files are there (at 50 s); nothing in between wakes it."""
+    files_ready = trio.Event()
+
+    async def resolve(source: str) -> ResolvedModel:
+        await files_ready.wait()
+        return ResolvedModel(source, Path("/m"), "folder")
+
+    async def main() -> None:
+        node = hosted(resolve)
+        woke: list[tuple[float, bool]] = []
+
+        async def waiter() -> None:
+            for _ in range(3):
+                await node.wait_changed()
+                woke.append((trio.current_time(), node.local_runner("model-a") is not None))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            node.reconcile_nowait({InstanceId("a"): record("a")}, nursery)
+            await trio.sleep(50)
+            files_ready.set()
+            await trio.sleep(10)
+            node.reconcile_nowait({}, nursery)  # deleted: the runner goes
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        assert woke == [(0.0, False), (50.0, True), (60.0, False)]
+
+    run(main)

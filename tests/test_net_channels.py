@@ -10,6 +10,7 @@ import trio
 
 from node.net import RequestError
 from node.net.channel import Channel, ChannelClosed, ChannelError, ChannelTimeout
+from node.net.config import MeshConfig as NET
 from tests.meshes import config, echo, run, running, wait_connected
 from tests.waiting import wait_until_async
 
@@ -86,7 +87,8 @@ def test_channels_and_named_requests(tmp_path: Path) -> None:
 
                     # The peer goes away mid-channel: the next receive fails, without waiting for
                     # its idle timeout. (A host closed in this process is only noticed by the ping
-                    # monitor, after ~3-4 s; a killed process at once: see tests/test_routing.py.)
+                    # monitor, within its interval + ping timeout; a killed process at once: see
+                    # tests/test_routing.py.)
                     channel = await b.open_channel(a.peer_id, "/test/echo/1")
                     await channel.send(b"hi")
                     assert await channel.receive() == b"echo:hi"
@@ -97,8 +99,9 @@ def test_channels_and_named_requests(tmp_path: Path) -> None:
                         await to_c.send(b"c?")
                         assert await to_c.receive() == b"echo:c?"
                     stopped = trio.current_time()
+                    noticed_within = 3 * (NET.health_check_interval_s + NET.ping_timeout_s)
                     with pytest.raises(ChannelError) as lost:
-                        await to_c.receive(idle_timeout_s=8)
+                        await to_c.receive(idle_timeout_s=noticed_within)
                     assert not isinstance(lost.value, ChannelTimeout)
                     print(f"a stopped peer's channel failed after {trio.current_time() - stopped:.2f} s")
                     await to_c.reset()

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.nodes import RunningNode, start_node
+from tests.test_failover_nodes import assert_seamless, stream
 from tests.waiting import wait_until
 
 
@@ -64,25 +65,16 @@ def _finish_reasons(lines: list[str]) -> list[str]:
     ]
 
 
-def test_sigkill_of_runner_mid_stream_ends_stream_with_error(node: RunningNode) -> None:
+def test_sigkill_of_runner_mid_stream_is_failed_over_to_its_restart(node: RunningNode) -> None:
+    """The node restarts the runner, and failover resumes the stream there: the client gets the text
+    of an uninterrupted run and no error (`node.failover`)."""
     before = node.health()["runners"][0]
     pid = before["pid"]
-    with httpx.stream(
-        "POST", f"{node.base_url}/v1/chat/completions", json=_body(node, stream=True), timeout=10
-    ) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert any(_has_content(line) for line in lines)
-        os.kill(pid, signal.SIGKILL)
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    errors = [chunk["error"] for line in rest if (chunk := _data(line)) and "error" in chunk]
-    assert len(errors) == 1 and errors[0]["type"] == "server_error"
-
-    # The node restarts the runner; the next request waits for it and succeeds.
-    after = httpx.post(f"{node.base_url}/v1/chat/completions", json=_body(node, max_tokens=4), timeout=120)
-    assert after.status_code == 200, after.text
-    assert after.json()["usage"]["completion_tokens"] == 4
+    body = _body(node, stream=True, max_tokens=300)
+    whole = stream(node, str(node.model_id), body)
+    broken = stream(node, str(node.model_id), body, lambda: os.kill(pid, signal.SIGKILL))
+    assert_seamless(broken, whole)
+    node.wait_for_log(r"request \S+ taken over by \S+ after \d+ tokens", timeout=10)
     health = node.health()["runners"][0]
     assert (
         health["pid"] != pid and health["restarts"] == before["restarts"] + 1 and health["state"] == "ready"

@@ -5,6 +5,7 @@ import { Chat } from "./chat.js";
 import { Instances } from "./instances.js";
 import { Live } from "./live.js";
 import { renderNodes, summary } from "./topology.js";
+import { renderTransfers } from "./transfers.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -33,6 +34,7 @@ function main() {
       $("node-count").textContent = `(${view.members.length})`;
       renderNodes($("nodes"), view);
       instances.update(view, state.instance_states);
+      renderTransfers($("transfers"), $("transfer-rows"), view);
       const models = view.instances.map((i) => i.model).sort().join();
       if (models !== served) {
         served = models;

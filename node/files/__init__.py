@@ -9,10 +9,10 @@ staging folders), `pieces` (part files on disk), `download` (one ranged GET), `f
 """
 
 from node.files.download import FetchError, Peer
-from node.files.fetcher import Fetcher, FetchPolicy, HubRef
+from node.files.fetcher import Fetcher, FetchPolicy
 from node.files.folders import CLUSTER_SUBDIR, cluster_model_dir, staging_dir
 from node.files.hashing import HashCache, folder_manifest, sidecar_path
-from node.files.hub_fallback import fetch_from_hub
+from node.files.hub_fallback import HubRef, fetch_from_hub
 from node.files.progress import ProgressBoard, ProgressMeter
 from node.files.server import FileServer
 

@@ -45,7 +45,7 @@ from node.files.download import (
     widen_http_reads,
 )
 from node.files.hashing import HashCache, file_sha256
-from node.files.hub_fallback import fetch_from_hub
+from node.files.hub_fallback import HubRef, fetch_from_hub
 from node.files.progress import ProgressBoard, ProgressMeter
 from node.files.signing import sign
 from protocol.backoff import Backoff, BackoffPolicy
@@ -54,7 +54,6 @@ from protocol.manifest import INDEX_FILE, FileEntry, Manifest, metadata_paths, s
 log = logging.getLogger("shoal.files")
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-
 
 FETCH_BACKOFF = BackoffPolicy(min_s=1.0, max_s=30.0, jitter=0.2, stable_s=60.0)
 """Between failed tries: 1, 2, 4 ... 30 s; a try that ran a minute before failing starts over."""
@@ -77,15 +76,6 @@ class FetchPolicy:
     """An attempt gets at most max(60 s, its bytes at this rate): a trickling peer is left."""
     write_bytes: int = 1 << 20
     """Bytes gathered before each write to disk (in a worker thread)."""
-
-
-@dataclass(frozen=True)
-class HubRef:
-    """Where the hub fallback finds a model: a Hugging Face repo, downloaded into the data dir."""
-
-    repo_id: str
-    data_dir: Path
-    revision: str | None = None
 
 
 @dataclass
@@ -172,20 +162,22 @@ class Fetcher:
     ) -> Path:
         """`fetch` of what a stage running layers `[start, end)` needs: first the small files
         (config, tokenizer, weight index) into staging, then only the shards holding its tensors;
-        the target gets them all at once."""
+        the target gets them all at once. When the hub supplied the small files, it supplies the
+        shards too (only those), into its own folder."""
         async with self._lock(target):
             meta = manifest.subset(metadata_paths(manifest))
             folder = await self._fetch(manifest, target, peers, meta, hub, model, publish=False)
-            if folder != target:  # the hub supplied (and checked) the whole model
-                return folder
 
             def read(path: str) -> object:
-                local = target / path if (target / path).is_file() else folders.staging_dir(target) / path
-                return folders.read_json(local)
+                if folder != target or (target / path).is_file():
+                    return folders.read_json(folder / path)
+                return folders.read_json(folders.staging_dir(target) / path)
 
             index = await trio.to_thread.run_sync(read, INDEX_FILE) if manifest.entry(INDEX_FILE) else None
             config = await trio.to_thread.run_sync(read, "config.json")
             wanted = manifest.subset(stage_paths(manifest, index, config, start=start, end=end))
+            if hub is not None and folder != target:
+                return await self._from_hub(manifest, hub, wanted)
             return await self._fetch(manifest, target, peers, wanted, hub, model, publish=True)
 
     def _lock(self, target: Path) -> trio.Lock:
@@ -213,20 +205,24 @@ class Fetcher:
                     f"{name}: no peer holds {homeless[0]!r} (and {len(homeless) - 1} more), "
                     "and the model has no Hugging Face repo to fall back on"
                 )
-            return await fetch_from_hub(
-                hub.repo_id,
-                hub.data_dir,
-                self._cache,
-                revision=hub.revision,
-                expected=manifest.files,  # the hub brings every file: check every one before use
-                manifest_id=manifest.id,
-                board=self.board,
-            )
+            return await self._from_hub(manifest, hub, wanted)
         if todo:
             await self._from_peers(manifest, staging, todo, peers, name)
         if publish and (todo or staged):
             await trio.to_thread.run_sync(folders.publish, self._cache, staging, target)
         return target
+
+    async def _from_hub(self, manifest: Manifest, hub: HubRef, wanted: Sequence[FileEntry]) -> Path:
+        """The hub's folder with `wanted` downloaded (only they) and checked against the manifest."""
+        return await fetch_from_hub(
+            hub.repo_id,
+            hub.data_dir,
+            self._cache,
+            revision=hub.revision,
+            expected=wanted,
+            manifest_id=manifest.id,
+            board=self.board,
+        )
 
     # --- peers ------------------------------------------------------------------------------------
     async def _from_peers(

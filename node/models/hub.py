@@ -11,8 +11,10 @@ reads them once, at import, which is too early for a process that sets them late
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from node.models.store import ModelResolveError, hub_dir, hub_folder_name, is_model_dir
@@ -53,10 +55,24 @@ def hub_model_dir(repo_id: str, data_dir: Path) -> Path:
     return hub_dir(data_dir) / hub_folder_name(repo_id)
 
 
-def download_hub_model(repo_id: str, data_dir: Path, *, revision: str | None = None) -> Path:
+def exact_patterns(paths: Collection[str]) -> list[str]:
+    """`allow_patterns` that match exactly these repo paths (huggingface_hub matches with `fnmatch`,
+    so `*`, `?` and `[` in a name are escaped)."""
+    return [glob.escape(path) for path in sorted(paths)]
+
+
+def download_hub_model(
+    repo_id: str,
+    data_dir: Path,
+    *,
+    revision: str | None = None,
+    allow_patterns: Sequence[str] = ALLOW_PATTERNS,
+) -> Path:
     """The folder of `repo_id` in the data dir, downloaded (or completed) first unless offline.
 
-    Raises `ModelResolveError` when the repo does not exist, cannot be reached, is incomplete while
+    `allow_patterns` says which files (default: what mlx-lm downloads); a pipeline stage passes
+    `exact_patterns` of the files it needs, and then only those are downloaded, or, offline, must
+    be there. Raises `ModelResolveError` when the repo does not exist, cannot be reached, is incomplete while
     offline, or holds no `config.json` (not a transformers/mlx-lm model).
     """
     from huggingface_hub import snapshot_download  # ~0.3 s import: only when a repo is used
@@ -69,7 +85,7 @@ def download_hub_model(repo_id: str, data_dir: Path, *, revision: str | None = N
             revision=revision,
             local_dir=local_dir,
             cache_dir=hub_dir(data_dir) / HUB_CACHE_SUBDIR,
-            allow_patterns=list(ALLOW_PATTERNS),
+            allow_patterns=list(allow_patterns),
             endpoint=os.environ.get("HF_ENDPOINT") or None,
             local_files_only=offline,
         )

@@ -92,9 +92,14 @@ class MeshConfig:
 
     # --- connection health (py-libp2p's ping monitor) ---------------------------------------------
     health_check_interval_s: float = 2.0
-    ping_timeout_s: float = 1.0
-    """A silently vanished peer (frozen, cut link) is dropped after ~interval + timeout (~3 s);
-    without the monitor py-libp2p never notices it."""
+    ping_timeout_s: float = 5.0
+    """A silently vanished peer (frozen, cut link) is dropped after ~interval + timeout (~7 s);
+    without the monitor py-libp2p never notices it. py-libp2p closes the connection on the first
+    ping that times out, and a node starting up on a busy 2-core machine (runners loading) has
+    answered pings 1-2 s late: with 1 s the connection flapped, the closed connection made the
+    member dead 1.5 s later (`lost_dead_after_s`), and the leader re-placed its instances. The
+    failure detector judges a frozen peer by heartbeat silence (`dead_after_s`) anyway, so the longer ping
+    timeout only delays dropping a dead connection, not declaring its node dead."""
 
 
 def derive_secret(

@@ -57,7 +57,7 @@ def connection_config(*, health_check_interval_s: float, ping_timeout_s: float) 
       Simultaneous dials A->B and B->A can still leave two connections; streams work over both,
       and Mesh counts connections per peer, so that is harmless (mDNS dial ordering makes it rare).
     - Health monitoring: a peer that silently vanishes (frozen process, cut cable) is *never*
-      noticed by default; with these settings it is dropped in ~3 s (measured). Our own failure
+      noticed by default; with these settings it is dropped within interval + ping timeout. Our own failure
       detector (heartbeats in the gossiped state) is still needed above this.
     """
     return ConnectionConfig(

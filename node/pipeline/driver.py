@@ -40,7 +40,7 @@ import mlx.core as mx
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import CONNECT_TIMEOUT, HOP_TIMEOUT, HopError
 from node.pipeline.ring import Cancelled, Ring
-from node.pipeline.shard import Shard, request_sampler
+from node.pipeline.shard import Shard, forcing, request_sampler
 from protocol.chat import GREEDY, SamplingParams
 
 SAMPLER_FIELDS = {"temperature", "top_p", "top_k", "seed"}
@@ -148,6 +148,7 @@ class PipelineGenerator:
         *,
         max_tokens: int,
         sampling: SamplingParams | None = None,
+        forced: Sequence[int] = (),
         eos_token_ids: Collection[int] = (),
         prefill_step_size: int = 2048,
         progress_callback: ProgressCallback | None = None,
@@ -155,6 +156,9 @@ class PipelineGenerator:
     ) -> Iterator[int]:
         """Token ids for `prompt_tokens`, as `mlx_lm.stream_generate` would produce them.
 
+        `forced`: the first tokens to produce whatever is sampled (a seeded request resumed by
+        failover decodes its earlier tokens again, one step each, so that its caches and its
+        sampler, here or on the last stage, are exactly as they were). They are yielded too.
         Raises `HopError` when a link fails and `PipelineError` when a stage cannot run a step;
         exceptions from `progress_callback` propagate (after the ring is cleaned). Ends early,
         without error, once `is_cancelled()` is true.
@@ -177,6 +181,7 @@ class PipelineGenerator:
                 prompt,
                 max_tokens,
                 sampling or GREEDY,
+                forced,
                 eos_token_ids,
                 prefill_step_size,
                 progress_callback or _no_progress,
@@ -190,13 +195,14 @@ class PipelineGenerator:
         prompt: mx.array,
         max_tokens: int,
         sampling: SamplingParams,
+        forced: Sequence[int],
         eos: Collection[int],
         step: int,
         progress: ProgressCallback,
         cancelled: Callable[[], bool],
     ) -> Iterator[int]:
         cache = self.shard.make_cache()
-        sampler = request_sampler(sampling)
+        sampler = forcing(request_sampler(sampling), forced)
         total = prompt.size
         progress(0, total)
         done = 0
@@ -233,6 +239,7 @@ class PipelineGenerator:
         prompt: mx.array,
         max_tokens: int,
         sampling: SamplingParams,
+        forced: Sequence[int],
         eos: Collection[int],
         step: int,
         progress: ProgressCallback,
@@ -282,7 +289,7 @@ class PipelineGenerator:
                     stats.steps += 1
                 received = time.perf_counter()
                 assert frame.tensor is not None
-                token = cast(int, frame.tensor.item())
+                token = forced[produced] if produced < len(forced) else cast(int, frame.tensor.item())
                 produced += 1
                 if produced == 1:
                     progress(total, total)

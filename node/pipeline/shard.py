@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -123,6 +124,21 @@ def request_sampler(params: SamplingParams) -> Sampler:
             return mx.random.categorical(logprobs * scale)
         key, sub = mx.random.split(key)
         return mx.random.categorical(logprobs * scale, key=sub)
+
+    return sample
+
+
+def forcing(sampler: Sampler, tokens: Sequence[int]) -> Sampler:
+    """`sampler`, except that its first `len(tokens)` draws give `tokens` (a seeded request resumed
+    by failover, whose earlier tokens are decoded again one by one). It still draws each time, so a
+    seeded key advances exactly as it did when those tokens were sampled."""
+    pending = deque(tokens)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        drawn = sampler(logprobs)
+        if not pending:
+            return drawn
+        return mx.full(drawn.shape, pending.popleft(), dtype=drawn.dtype)
 
     return sample
 

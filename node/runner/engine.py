@@ -12,6 +12,7 @@ batch.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from node.cpu.dtype import apply_dtype_policy
-from node.pipeline.shard import request_sampler
+from node.pipeline.shard import Sampler, forcing, request_sampler
 from node.runner.formats import ChatFormat, PromptError, chat_format_for
 from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
@@ -32,6 +33,7 @@ from protocol.events import (
     Finish,
     FinishReason,
     GenerationError,
+    OutputEvent,
     PrefillProgress,
     TerminalEvent,
     TextDelta,
@@ -85,11 +87,44 @@ def _too_long(message: str) -> GenerationError:
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request that passed the checks: its prompt tokens and how many tokens it may generate."""
+    """A request that passed the checks: its prompt tokens and how many tokens it may generate.
+
+    A resumed request (`GenerateRequest.resume`, failover) also has the tokens it generated before.
+    Most go on from a prefill of the prompt and those tokens (`context`), which `RequestOutput.replay`
+    feeds to the output at once; greedy tokens then come out as they would have (a chunk's float sums
+    may differ from one step's in the last bits, as in a batch: only an exact near-tie could change a
+    token). A seeded request's draws amplify those bits, so it is `forced` instead: its prompt is
+    prefilled as before and those tokens are decoded again, one step each, from a sampler that draws
+    and returns them (`node.pipeline.shard.forcing`): the same arithmetic, the same key, the same
+    tokens after, at the cost of one decode step per token.
+    """
 
     request: GenerateRequest
     prompt: list[int]
     max_tokens: int
+
+    @property
+    def replayed(self) -> tuple[int, ...]:
+        return self.request.resume.tokens if self.request.resume is not None else ()
+
+    @property
+    def forced(self) -> bool:
+        params = self.request.params
+        return bool(self.replayed) and params.temperature > 0 and params.seed is not None
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens to prefill: the prompt, then the replayed output unless it is forced."""
+        return self.prompt if self.forced else self.prompt + list(self.replayed)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens for the generator to produce (forced ones included)."""
+        return self.max_tokens if self.forced else self.max_tokens - len(self.replayed)
+
+    def sampler(self) -> Sampler:
+        sampler = request_sampler(self.request.params)
+        return forcing(sampler, self.replayed) if self.forced else sampler
 
 
 def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | TerminalEvent:
@@ -121,7 +156,9 @@ class RequestOutput:
 
     Feed each token with `token()` in order (`last=True` for the final one); `progress()` reports
     prefill; `finish()` or `fail()` ends the request (later calls do nothing). End-of-sequence
-    tokens count as generated but add no text, as in mlx-lm's `stream_generate`.
+    tokens count as generated but add no text, as in mlx-lm's `stream_generate`. Each output event
+    carries the token ids consumed since the previous one (`tokens`). A resumed request first
+    `replay()`s the tokens its client already has.
     """
 
     def __init__(self, loaded: LoadedModel, admitted: Admitted, emit: Emit) -> None:
@@ -131,23 +168,55 @@ class RequestOutput:
         self._parser = loaded.chat_format.new_parser(admitted.prompt)
         self._stops = StopMatcher(admitted.request.params.stop)
         self._n_prompt = len(admitted.prompt)
+        self._n_context = len(admitted.context)
         self._last_progress = -1
         self._stopped = False
         self._saw_tool_call = False
+        self._unsent: list[int] = []
+        """Tokens consumed since the last output event: the next one carries them."""
+        self._skip = 0
+        """Output events still to leave out (the client has them: see `token`)."""
+        self._replayed = admitted.replayed
+        resume = admitted.request.resume
+        self._replayed_events = resume.events if resume is not None else 0
         self.cached_tokens = 0
         """Prompt tokens whose KV came from the prefix cache (reported in the usage)."""
         self.generated = 0
         self.done = False
 
     def progress(self, processed: int) -> None:
-        """Prefill has `processed` of the prompt's tokens; each figure goes out once, rising."""
+        """Prefill has `processed` of the context's tokens; each figure goes out once, rising."""
         if processed > self._last_progress and not self.done:
             self._last_progress = processed
-            self._emit(PrefillProgress(processed_tokens=processed, total_tokens=self._n_prompt))
+            self._emit(PrefillProgress(processed_tokens=processed, total_tokens=self._n_context))
+
+    def replay(self, admitted: Admitted) -> FinishReason | None:
+        """Feed a resumed request's earlier tokens now, unless they are `forced` (then they come
+        from the generator); the reason the request ends if they already ended it (end of
+        sequence, a stop string, max_tokens), else None. Their events are left out (`token`)."""
+        if admitted.forced:
+            return None
+        for n, token in enumerate(admitted.replayed):
+            eos = token in self._eos
+            last = eos or n + 1 == admitted.max_tokens
+            if self.token(token, last=last):
+                return "stop"
+            if last:
+                return "stop" if eos else "length"
+        return None
 
     def token(self, token: int, *, last: bool) -> bool:
-        """Emit what one generated token adds; True when a stop string ended the request's text."""
+        """Emit what one generated token adds; True when a stop string ended the request's text.
+
+        The tokens of a resumed request's `Resume` come first: the client has their events (and
+        the first `resume.events` of the last one's), so those are left out."""
+        n, replayed = self.generated, len(self._replayed)
+        if n < replayed:
+            self._skip = self._replayed_events if n + 1 == replayed else sys.maxsize
+        else:
+            self._skip = 0  # a new token: whatever the client had ended with the one before
         self.generated += 1
+        self._unsent.append(token)
         if token in self._eos:
             self._detokenizer.finalize()
         else:
@@ -156,6 +225,8 @@ class RequestOutput:
                 self._detokenizer.finalize()
         if self._forward(self._parser.feed(token, self._detokenizer.last_segment)):
             self._stopped = True
+        if n + 1 == replayed:
+            self._unsent.clear()  # the client has them all
         return self._stopped
 
     def _forward(self, events: Sequence[ParsedEvent]) -> bool:
@@ -164,13 +235,21 @@ class RequestOutput:
             if isinstance(event, TextDelta):
                 text, hit = self._stops.feed(event.text)
                 if text:
-                    self._emit(TextDelta(text=text))
+                    self._output(TextDelta(text=text))
                 if hit:
                     return True
             else:
                 self._saw_tool_call = self._saw_tool_call or isinstance(event, ToolCall)
-                self._emit(event)
+                self._output(event)
         return False
+
+    def _output(self, event: OutputEvent) -> None:
+        """Emit an output event with the tokens it accounts for, unless the client already has it."""
+        tokens, self._unsent = tuple(self._unsent), []
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        self._emit(event.model_copy(update={"tokens": tokens}) if tokens else event)
 
     def finish(self, reason: FinishReason) -> None:
         """The terminal `Finish`: flushes held-back text unless cancelled or cut by a stop string."""
@@ -182,21 +261,23 @@ class RequestOutput:
             if self._forward(self._parser.flush()):
                 reason = "stop"
             elif tail := self._stops.flush():
-                self._emit(TextDelta(text=tail))
+                self._output(TextDelta(text=tail))
         if self._saw_tool_call and reason == "stop":
             reason = "tool_calls"
         self.done = True
         usage = Usage(
-            prompt_tokens=self._n_prompt, completion_tokens=self.generated, cached_tokens=self.cached_tokens
+            prompt_tokens=self._n_prompt,
+            completion_tokens=self.generated,
+            cached_tokens=min(self.cached_tokens, self._n_prompt),
         )
         stop_sequence = self._stops.matched if reason == "stop" else None
         self._emit(Finish(reason=reason, usage=usage, stop_sequence=stop_sequence))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, *, code: str | None = None) -> None:
         """The terminal `server_error`, for a fault on our side."""
         if not self.done:
             self.done = True
-            self._emit(GenerationError(error_kind="server_error", message=message))
+            self._emit(GenerationError(error_kind="server_error", message=message, code=code))
 
 
 class _Cancelled(Exception):
@@ -222,17 +303,17 @@ def generate(
     try:
         for n, (step_token, _) in enumerate(
             generate_step(
-                mx.array(admitted.prompt),
+                mx.array(admitted.context),
                 loaded.model,
-                max_tokens=admitted.max_tokens,
-                sampler=request_sampler(admitted.request.params),
+                max_tokens=admitted.remaining,
+                sampler=admitted.sampler(),
                 prefill_step_size=prefill_step_size,
                 prompt_progress_callback=on_progress,
             )
         ):
             token = int(step_token)  # mlx-lm yields plain ints (its annotation says arrays)
             eos = token in loaded.tokenizer.eos_token_ids
-            last = eos or n + 1 == admitted.max_tokens
+            last = eos or n + 1 == admitted.remaining
             if output.token(token, last=last):
                 reason = "stop"
                 break

@@ -21,7 +21,7 @@ from node.pipeline.hop import HopError, parse_address
 from node.pipeline.shard import load_shard
 from node.runner.engine import Admitted, LoadedModel, RequestOutput, admit, loaded_model
 from protocol.chat import GenerateRequest
-from protocol.events import ChunkEvent, FinishReason
+from protocol.events import PIPELINE_FAILED, ChunkEvent, FinishReason
 from protocol.ids import RequestId
 
 log = logging.getLogger("shoal.runner")
@@ -61,11 +61,15 @@ def run_one(
     eos = loaded.tokenizer.eos_token_ids
     reason: FinishReason = "length"
     try:
+        if (replayed_to_end := output.replay(admitted)) is not None:
+            output.finish(replayed_to_end)
+            return
         for n, token in enumerate(
             driver.generate(
-                admitted.prompt,
-                max_tokens=admitted.max_tokens,
+                admitted.context,
+                max_tokens=admitted.remaining,
                 sampling=request.params,
+                forced=admitted.replayed if admitted.forced else (),
                 eos_token_ids=eos,
                 prefill_step_size=prefill_step_size,
                 progress_callback=lambda processed, _total: output.progress(processed),
@@ -73,7 +77,7 @@ def run_one(
             )
         ):
             is_eos = token in eos
-            last = is_eos or n + 1 == admitted.max_tokens
+            last = is_eos or n + 1 == admitted.remaining
             if output.token(token, last=last):
                 reason = "stop"
                 break
@@ -86,7 +90,7 @@ def run_one(
                 reason = "cancelled"
     except (HopError, PipelineError) as exc:
         log.warning("request %s failed in the pipeline: %s", rid, exc)
-        output.fail(f"the pipeline failed: {exc}")
+        output.fail(f"the pipeline failed: {exc}", code=PIPELINE_FAILED)
         return
     except Exception as exc:  # never leave a request without its terminal event
         log.exception("request %s failed", rid)

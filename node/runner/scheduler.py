@@ -40,7 +40,6 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from node.pipeline.shard import request_sampler
 from node.runner.engine import Admitted, LoadedModel, RequestOutput, admit, generate
 from node.runner.prefix_cache import PrefixCache
 from protocol.chat import GenerateRequest
@@ -120,11 +119,14 @@ class Scheduler:
                 emit(admitted)
                 return
             output = RequestOutput(self._loaded, admitted, emit)
+            output.progress(0)
+            if (ended := output.replay(admitted)) is not None:
+                output.finish(ended)
+                return
         except Exception as exc:  # a fault in one request fails that request, not the runner
             log.exception("request %s failed", request.request_id)
             emit(GenerationError(error_kind="server_error", message=f"generation failed: {exc}"))
             return
-        output.progress(0)
         self._waiting.append((admitted, output))
 
     def step(self) -> None:
@@ -174,14 +176,14 @@ class Scheduler:
         while self._waiting and len(self._running) < self._max_concurrent:
             admitted, output = self._waiting.popleft()
             try:
-                prompt = admitted.prompt
+                prompt = admitted.context
                 cache, cached = self.prefix_cache.fetch(prompt)
                 (uid,) = self._generator.insert(
                     [prompt[cached:]],
-                    max_tokens=[admitted.max_tokens],
+                    max_tokens=[admitted.remaining],
                     caches=[cache] if cache is not None else None,
                     all_tokens=[prompt[:cached]],
-                    samplers=[request_sampler(admitted.request.params)],
+                    samplers=[admitted.sampler()],
                     stop_sequences=[self._eos],
                 )
             except Exception as exc:  # a fault in one request fails that request, not the batch

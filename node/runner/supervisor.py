@@ -20,7 +20,7 @@ import trio
 from node.children.supervisor import Child, ChildFailed, Launch, keep_restarting, running
 from node.cpu.fastpath import runner_environment
 from protocol.chat import GenerateRequest
-from protocol.events import ChunkEvent, Finish, GenerationError, is_terminal
+from protocol.events import RUNNER_UNAVAILABLE, ChunkEvent, Finish, GenerationError, is_terminal
 from protocol.ids import RequestId
 from protocol.runner_wire import (
     MAX_FRAME_BYTES,
@@ -59,14 +59,14 @@ def child_environment(spec: RunnerSpec) -> dict[str, str]:
     return env
 
 
-class _EventStream:
-    """Iterates one request's events and stops after its terminal event."""
+class ChannelEvents:
+    """Iterates one request's events from a memory channel and stops after its terminal event."""
 
     def __init__(self, receive: trio.MemoryReceiveChannel[ChunkEvent]) -> None:
         self._receive = receive
         self.finished = False
 
-    def __aiter__(self) -> _EventStream:
+    def __aiter__(self) -> ChannelEvents:
         return self
 
     async def __anext__(self) -> ChunkEvent:
@@ -78,7 +78,7 @@ class _EventStream:
 
 
 def _error(message: str) -> GenerationError:
-    return GenerationError(error_kind="server_error", message=message, code="runner_unavailable")
+    return GenerationError(error_kind="server_error", message=message, code=RUNNER_UNAVAILABLE)
 
 
 def _overloaded(spec: RunnerSpec) -> GenerationError:
@@ -190,7 +190,7 @@ class RunnerSupervisor:
     @asynccontextmanager
     async def open_stream(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
         send, receive = trio.open_memory_channel[ChunkEvent](math.inf)
-        stream = _EventStream(receive)
+        stream = ChannelEvents(receive)
         with send, receive:
             with trio.move_on_after(self.spec.ready_timeout_s):
                 await self._ready.wait()
