@@ -30,10 +30,13 @@ LAYOUTS = [("affine4 g32 f16", 4, 32, mx.float16), ("affine4 g64 bf16", 4, 64, m
 LAYOUTS += [("affine8 g32 f16", 8, 32, mx.float16), ("bfloat16", 16, 0, mx.bfloat16)]
 
 
-def matrices(bits: int, group: int, dtype: mx.Dtype, count: int) -> list[tuple[mx.array, ...]]:
+def matrices(
+    bits: int, group: int, dtype: mx.Dtype, count: int, n: int = N, k: int = K
+) -> list[tuple[mx.array, ...]]:
+    """`count` random n x k weights in one layout (16 bits: `dtype` itself; else affine)."""
     out: list[tuple[mx.array, ...]] = []
     for _ in range(count):
-        w = mx.random.normal((N, K)) * 0.02
+        w = mx.random.normal((n, k)) * 0.02
         if bits == 16:
             out.append((w.astype(dtype),))
         else:
