@@ -30,7 +30,7 @@ FAULT_MODULES = frozenset(
 """Tests that kill, freeze or restart real node processes and wait on a failure detector. On a
 2-core machine shared with the rest of the suite, a node starved of CPU for a few heartbeats is
 rightly declared dead, which moves instances for nothing; such a test gets one rerun (pytest
--rerunfailures; `-ra` lists every rerun, so a flaky one stays visible). A real defect fails twice."""
+-rerunfailures; `-raR` names every rerun, so a flaky one stays visible). A real defect fails twice."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
