@@ -70,26 +70,21 @@ def _names(
 def _held(
     holding: Holding, manifest: Manifest | None, name: str | None, used: tuple[str, ...]
 ) -> HeldModelView:
-    if manifest is None:
+    if manifest is None:  # a manifest this node never saw: only the count of files it names
         count = None if holding.files is None else len(holding.files)
-        return HeldModelView(
-            manifest_id=holding.manifest_id,
-            model=name,
-            files_held=count,
-            files_total=None,
-            bytes_held=None,
-            bytes_total=None,
-            in_use=used,
-        )
-    paths = held_paths(manifest, holding)
-    held = [f for f in manifest.files if paths is None or f.path in paths]
+        files_held, files_total, bytes_held, bytes_total = count, None, None, None
+    else:
+        paths = held_paths(manifest, holding)
+        held = [f for f in manifest.files if paths is None or f.path in paths]
+        files_held, files_total = len(held), len(manifest.files)
+        bytes_held, bytes_total = sum(f.size for f in held), manifest.total_bytes
     return HeldModelView(
         manifest_id=holding.manifest_id,
         model=name,
-        files_held=len(held),
-        files_total=len(manifest.files),
-        bytes_held=sum(f.size for f in held),
-        bytes_total=manifest.total_bytes,
+        files_held=files_held,
+        files_total=files_total,
+        bytes_held=bytes_held,
+        bytes_total=bytes_total,
         in_use=used,
     )
 
