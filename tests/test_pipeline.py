@@ -99,13 +99,35 @@ def run(
 
 
 @contextmanager
+def _stderr_to(log: Path | None) -> Iterator[None]:
+    """While open, fd 2 (what a spawned stage inherits for its log) appends to `log`, if given.
+
+    Why not `capfd`: its `readouterr` reads the capture file and then truncates it, so a line that
+    a child writes between the two is lost; a test polling for a stage's line could miss it."""
+    if log is None:
+        yield
+        return
+    saved = os.dup(2)
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
+
+
+@contextmanager
 def ring(
-    model_dir: Path, stages: int, *, hop_timeout: float = 3.0
+    model_dir: Path, stages: int, *, hop_timeout: float = 3.0, log: Path | None = None
 ) -> Iterator[tuple[PipelineGenerator, list[StageProcess]]]:
-    """A pipeline of `stages` stages: the driver here, the others as processes, layers split evenly."""
+    """A pipeline of `stages` stages: the driver here, the others as processes, layers split evenly;
+    the stages log to `log` if given, else to this process's stderr."""
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     ranges = even_split(num_layers, stages)
-    processes = [spawn_stage(model_dir, start=a, end=b, hop_timeout=hop_timeout) for a, b in ranges[1:]]
+    with _stderr_to(log):
+        processes = [spawn_stage(model_dir, start=a, end=b, hop_timeout=hop_timeout) for a, b in ranges[1:]]
     try:
         for process in processes:
             wait_ready(process)
@@ -242,38 +264,36 @@ def _generate_until_failure(driver: PipelineGenerator, prompt: list[int], fault:
     return count - 3
 
 
-def _why_ring_broke(capfd: pytest.CaptureFixture[str], stage: StageProcess) -> str:
-    """What `stage` logs when its ring breaks (stages write their log to the stderr they inherit)."""
+def _why_ring_broke(log: Path, stage: StageProcess) -> str:
+    """What `stage` logs to `log` (see `ring`) when its ring breaks."""
     said = f"stage[{stage.start},{stage.end}): ring broken: "
-    err = ""
 
     def reason() -> str:
-        nonlocal err
-        err += capfd.readouterr().err
-        return next((line.split(said, 1)[1] for line in err.splitlines() if said in line), "")
+        lines = log.read_text(errors="replace").splitlines()
+        return next((line.split(said, 1)[1] for line in lines if said in line), "")
 
     return wait_until(reason, 30, f"{said!r} logged")
 
 
-def test_a_killed_middle_stage_is_an_error(six_layers: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_killed_middle_stage_is_an_error(six_layers: Path, tmp_path: Path) -> None:
     """The driver raises `HopError` and no token comes after the kill; the stage after the dead one
     ends the ring on a closed link (its own or the driver's), without waiting out the hop timeout."""
-    with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT) as (driver, stages):
+    log = tmp_path / "stages.log"
+    with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT, log=log) as (driver, stages):
         middle = stages[0].process
         after = _generate_until_failure(
             driver, _prompt(six_layers), lambda: middle.send_signal(signal.SIGKILL)
         )
         assert after == 0
-        why = _why_ring_broke(capfd, stages[-1])
+        why = _why_ring_broke(log, stages[-1])
         assert "frozen or cut off" not in why, why  # a closed link, not the hop timeout's silence
 
 
-def test_a_frozen_stage_is_an_error_of_the_hop_timeout(
-    six_layers: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_a_frozen_stage_is_an_error_of_the_hop_timeout(six_layers: Path, tmp_path: Path) -> None:
     """A frozen stage keeps its links open: the stage after it ends the ring when the hop timeout
     has passed in silence, and the driver raises `HopError`; no token comes after the freeze."""
-    with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT) as (driver, stages):
+    log = tmp_path / "stages.log"
+    with ring(six_layers, 3, hop_timeout=FAIL_FAST_TIMEOUT, log=log) as (driver, stages):
         middle = stages[0].process
         try:
             after = _generate_until_failure(
@@ -282,7 +302,7 @@ def test_a_frozen_stage_is_an_error_of_the_hop_timeout(
         finally:
             os.kill(middle.pid, signal.SIGCONT)
         assert after == 0
-        assert _why_ring_broke(capfd, stages[-1]) == SILENCE
+        assert _why_ring_broke(log, stages[-1]) == SILENCE
 
 
 @pytest.mark.parametrize("tie", ["kernel", "watcher"])
