@@ -117,8 +117,11 @@ def _place(trio: Trio, model: Path) -> dict[str, Any]:
 
 
 def _wait_ready(trio: Trio, instance: dict[str, Any], watch: list[dict[str, Any]]) -> None:
-    """Until the entry's runner is ready, recording every transfer of the model A's view shows."""
+    """Until the entry's runner is ready and A's view has every fetching node's transfer done,
+    recording every transfer of the model that view shows (gossip may bring a "done" after the
+    entry is ready)."""
     entry = next(n for n in trio.nodes if n.node_id == instance["stages"][0]["node_id"])
+    fetching = {s["node_id"] for s in instance["stages"]} - {trio.a.node_id}
 
     def ready() -> bool:
         for member in _view(trio.a)["members"]:
@@ -127,7 +130,8 @@ def _wait_ready(trio: Trio, instance: dict[str, Any], watch: list[dict[str, Any]
                 for t in member["transfers"]
                 if t["manifest_id"] == instance["manifest_id"]
             )
-        return any(f"model {instance['model']} ready" in line for line in entry.log)
+        done = {t["node"] for t in watch if t["state"] == "done"}
+        return fetching <= done and any(f"model {instance['model']} ready" in line for line in entry.log)
 
     wait_until(ready, 120, f"{instance['model']} ready on its entry node", interval=0.1)
 
@@ -198,7 +202,14 @@ def _models_show_what_each_node_holds(trio: Trio, instance: dict[str, Any], mani
     assert _shoal_models(trio.a, "--json").returncode == 1  # A has an API key: refused without it
     table = _shoal_models(trio.b)
     assert table.returncode == 0 and "tiny4" in table.stdout, table.stderr
-    answer = json.loads(_shoal_models(trio.b, "--json").stdout)
+
+    def every_node_holds_it() -> dict[str, Any]:
+        """B's answer once every node's holding of the model has reached B by gossip."""
+        answer: dict[str, Any] = json.loads(_shoal_models(trio.b, "--json").stdout)
+        holders = {n["node"] for n in answer["nodes"] for m in n["models"] if m["manifest_id"] == manifest.id}
+        return answer if holders == {n.node_id for n in trio.nodes} else {}
+
+    answer = wait_until(every_node_holds_it, 30, "every node's holding known to B", interval=0.5)
     nodes = {n["node"]: n for n in answer["nodes"]}
     assert set(nodes) == {n.node_id for n in trio.nodes} and answer["self"] == trio.b.node_id
     running = {
