@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -30,13 +31,20 @@ import numpy as np
 
 VERSION = "0.3.36"
 TARGETS = ("llama-bench", "llama-quantize")
-CMAKE_FLAGS = (
+CMAKE_FLAGS: tuple[str, ...] = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+if platform.machine() in ("x86_64", "AMD64"):
+    # Hosts (VMs) may list AMX in cpuinfo without granting its register state: a native build then
+    # dies of SIGILL in its first AMX matmul (seen 2026-12-02). AVX-512/VNNI stay on where present.
+    _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_FLAGS += (f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}")
+BUILD = "build-noamx"
+"""The build folder; renamed when the flags change, so that an older cached build is not reused."""
 WEIGHT_SCALE = 0.02
 GGUF_QUANTS = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
 """The random model's quantizations: model name -> llama-quantize type."""
@@ -65,7 +73,7 @@ class LlamaCpp:
 
 
 def _bin_dir_in(folder: Path) -> Path | None:
-    for candidate in (folder, folder / "bin", folder / "build" / "bin"):
+    for candidate in (folder, folder / "bin", folder / "build" / "bin", folder / BUILD / "bin"):
         if all((candidate / name).is_file() for name in TARGETS):
             return candidate
     return None
@@ -81,7 +89,7 @@ def find_llamacpp() -> LlamaCpp | None:
         if found := _bin_dir_in(Path(env).expanduser()):
             return LlamaCpp(found)
         print(f"$LLAMACPP_DIR={env} has no {' and '.join(TARGETS)}; trying the cache", flush=True)
-    found = _bin_dir_in(source_dir(cache_dir()) / "build")
+    found = _bin_dir_in(source_dir(cache_dir()) / BUILD)
     return LlamaCpp(found) if found else None
 
 
@@ -132,9 +140,9 @@ def build_llamacpp(jobs: int) -> LlamaCpp:
             with tarfile.open(sdist) as tar:
                 tar.extractall(cache, filter="data")
     if rc == 0:
-        rc = _run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], log, cwd=src)
+        rc = _run_logged(["cmake", "-B", BUILD, *CMAKE_FLAGS], log, cwd=src)
     if rc == 0:
-        build = ["cmake", "--build", "build", f"-j{jobs}", "--target", *TARGETS]
+        build = ["cmake", "--build", BUILD, f"-j{jobs}", "--target", *TARGETS]
         rc = _run_logged(build, log, cwd=src)
     with log.open("a") as out:
         out.write(f"done {rc}\n")
