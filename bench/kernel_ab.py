@@ -8,11 +8,12 @@ interquartile range (about +-5% here; a change inside it is noise).
 
 Shapes: `llama1b` (an 8192 x 2048 MLP matrix, 12 of them: far beyond the caches) and `smollm2`
 (SmolLM2-135M's 1536 x 576, 576 x 1536 and 576 x 576: products so small that the fixed cost of an
-operation is a third of their time), each at M = 1 (decode) and 4 (a small batch).
+operation is a third of their time), each at M = 1 (decode) and 4 (a small batch), or the `--rows`
+given (more than 8: the prefill route, dequantized tiles through OpenBLAS's sgemm, as runners do).
 
     cp -r native /tmp/variant && $EDITOR /tmp/variant/kernels/avx2.cpp
     .venv/bin/python bench/kernel_ab.py /tmp/variant [--base native] [--shapes smollm2 llama1b]
-        [--layouts "affine4 g32 f16" ...] [--rounds 15]
+        [--layouts "affine4 g32 f16" ...] [--rounds 15] [--rows 1 4 | --rows 512]
 
 Needs cmake and nanobind in the environment (the dev extras install both).
 """
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # before the modules below: they link against its library
 
 from bench.kernel_bandwidth import LAYOUTS, matrices
+from node.native import openblas_path
 
 ROOT = Path(__file__).resolve().parent.parent
 CMAKE = shutil.which("cmake", path=str(Path(sys.executable).parent)) or shutil.which("cmake")
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["smollm2", "llama1b"])
     parser.add_argument("--layouts", nargs="+", default=[label for label, *_ in LAYOUTS])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="M: rows of x per product")
     args = parser.parse_args()
     if CMAKE is None or importlib.util.find_spec("nanobind") is None:
         sys.exit(
@@ -120,13 +123,20 @@ def main() -> None:
         sys.exit(f"no such layout; choose from {[label for label, *_ in LAYOUTS]}")
     with tempfile.TemporaryDirectory(prefix="shoal-kernel-ab-") as tmp:
         a, b = build(args.base, "a", Path(tmp)), build(args.variant, "b", Path(tmp))
+        if max(args.rows) > 8:  # prefill: both need the sgemm a runner gives its module
+            blas = openblas_path()
+            if blas is None:
+                sys.exit("--rows above 8 needs scipy-openblas32 (the runner's sgemm)")
+            for module in (a, b):
+                if problem := module.set_blas_library(str(blas)):
+                    sys.exit(problem)
         print(f"A = {args.base}, B = {args.variant}; {args.rounds} rounds, alternating, in one process")
         for label, bits, group, dtype in layouts:
             kw = {} if bits == 16 else {"group_size": group, "bits": bits}
             for preset in args.shapes:
                 for n, k, count in SHAPES[preset]:
                     mats = matrices(bits, group, dtype, count, n, k)
-                    for rows in (1, 4):
+                    for rows in args.rows:
                         figures = compare(a, b, mats, mx.random.normal((rows, k)), kw, args.rounds)
                         print(f"{label:<17} {n:5d} x {k:<5d} M={rows}: {figures}", flush=True)
                     del mats

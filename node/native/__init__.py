@@ -32,7 +32,7 @@ class KernelLoad:
     """Why there is no module, or what was loaded ("avx2 kernels, 2 threads, OpenBLAS sgemm")."""
 
 
-def _openblas_path() -> Path | None:
+def openblas_path() -> Path | None:
     try:
         import scipy_openblas32  # type: ignore[import-untyped]
     except ImportError:
@@ -73,7 +73,7 @@ def load_kernels() -> KernelLoad:
         _self_test(module)
     except Exception as exc:  # a broken build must never stop a model from being served
         return KernelLoad(None, f"the native kernels failed to load ({type(exc).__name__}: {exc})")
-    blas = _openblas_path()
+    blas = openblas_path()
     problem = "scipy-openblas32 is not installed" if blas is None else module.set_blas_library(str(blas))
     prefill = "OpenBLAS sgemm for prefill" if not problem else f"no sgemm for prefill ({problem})"
     return KernelLoad(module, f"{module.kernel_name()} kernels, {module.threads()} thread(s), {prefill}")
