@@ -29,9 +29,10 @@ using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int,
                          float*, int);
 SgemmFn sgemm = nullptr;
 
-// A dequantized tile, at most 8 MB (and 512 rows): each tile's sgemm call packs all of x again, so
-// more rows a tile cost fewer repacks; a 512-token prefill of 1B-shaped products took 0.85-0.96x
-// the time of 2 MB tiles (0.85: the MLP's down product, K = 8192, 64 -> 256 rows). 32 MB: no gain.
+// A dequantized tile, at most 8 MB (and 512 rows) per thread: each tile's sgemm call packs all of x
+// again, so more rows per tile mean fewer repacks. 512-token prefill products of a 1B shape took
+// 0.85-0.96x the time they took with 2 MB tiles (0.85: the MLP's down product, K = 8192, 64 -> 256
+// rows); 32 MB gained nothing more (bench/kernel_ab.py --rows 512).
 constexpr long kTileBytes = 8l << 20;
 constexpr long kParallelMinBytes = 64l << 10;  // below 64 KB of weights one thread beats waking more
 constexpr int kTasksPerThread = 4;  // small enough that a preempted thread delays little
