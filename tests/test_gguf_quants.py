@@ -135,11 +135,14 @@ def test_q6_k_is_requantized_to_8_bits_within_half_a_step() -> None:
     assert float(np.median(np.abs(got - reference) / q6_step)) < 0.125
 
 
-def test_requantize_handles_constant_groups() -> None:
+def test_requantize_is_symmetric_and_handles_constant_groups() -> None:
     w = np.zeros((2, 64), np.float32)
     w[1, :32] = 0.25
-    parts = requantize8(w)
-    assert np.array_equal(affine_dequantize(parts, 8), w)
+    weight, scales, biases = requantize8(w)
+    assert np.array_equal(biases, scales * np.float16(-128))  # what runners drop (kernel_layers)
+    got = affine_dequantize((weight, scales, biases), 8)
+    assert np.array_equal(got[:, 32:], w[:, 32:]) and np.array_equal(got[0], w[0])  # zeros stay exact
+    assert np.allclose(got[1, :32], 0.25, rtol=2.0**-10, atol=0)  # max|w| -> 127 steps of an fp16 scale
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.F16])

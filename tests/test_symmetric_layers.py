@@ -34,8 +34,9 @@ def test_no_biases_means_minus_half_range_times_scale(bits: int, scale_dtype: mx
         assert mx.array_equal(explicit, derived).item(), rows
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
-def test_q4_0_and_q8_0_imports_drop_their_biases_and_keep_their_tokens(qtype: Q, tmp_path: Path) -> None:
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q6_K])
+def test_symmetric_imports_drop_their_biases_and_keep_their_tokens(qtype: Q, tmp_path: Path) -> None:
+    """Q4_0 and Q8_0 as stored, Q6_K as requantized (symmetric 8-bit)."""
     write_tiny_gguf(TinyModel("llama", default=qtype), tmp_path / "t.gguf")
     folder = import_gguf(tmp_path / "t.gguf", tmp_path / "m")
     model = load_model(folder, vocab_dir=None).model

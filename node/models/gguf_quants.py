@@ -11,7 +11,7 @@ of the row's uint32 words (little end first). The GGUF types map onto it as foll
 | Q8_0 | 32: fp16 d, int8 x; w = d * x | 8-bit, q = x + 128, bias -128d | yes |
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m; 32 4-bit q); w = d*sc*q - dmin*m | 4-bit | fp16 scales |
 | Q5_K | as Q4_K with 5-bit q | 8-bit (q 0..31 fits) | fp16 scales |
-| Q6_K | 256: fp16 d; 16 x (int8 sc, 16 6-bit q); w = d*sc*(q - 32) | 8-bit, requantized | no |
+| Q6_K | 256: fp16 d; 16 x (int8 sc, 16 6-bit q); w = d*sc*(q - 32) | 8-bit symmetric, requantized | no |
 
 Q4_0/Q4_1/Q8_0 come out exactly as `mx.load` of the GGUF gives them (a test checks it). For
 Q4_K/Q5_K, `d*sc` and `dmin*m` are exact in float32 but stored as float16 like the other types'
@@ -20,8 +20,8 @@ scales: each group's scale s and bias b is rounded to fp16 (relative error <= 2^
 where b is a typical group minimum (float32 scales would be exact but cost a bit per weight more,
 and every other type's scales are fp16 already). Q6_K's two 16-weight
 sub-blocks in a group of 32 have different scales, so no 32-group affine form holds both exactly:
-those tensors are dequantized row chunk by row chunk and requantized to 8 bits (min/max per
-group; error <= half an 8-bit step, ~1/8 of Q6_K's own step). Every other type is refused.
+those tensors are dequantized row chunk by row chunk and requantized to symmetric 8 bits (max|w|
+per group, no biases kept; error <= half an 8-bit step, ~1/8 of Q6_K's own step). Every other type is refused.
 Work is done on row chunks, so no float32 copy of a whole large tensor is ever made.
 """
 
@@ -127,17 +127,18 @@ def _k_quant(qtype: GGMLQuantizationType, blocks: U8) -> tuple[U8, Any, Any]:
 
 
 def requantize8(w: npt.NDArray[np.float32]) -> Affine:
-    """Float rows (n, cols) -> 8-bit affine, group 32, min/max per group; q rounded against the
-    fp16-rounded scale and bias actually stored, so the error stays <= half a step (plus fp16)."""
+    """Float rows (n, cols) -> symmetric 8-bit affine, group 32: scale max|w| / 127, bias -128 x
+    scale (as Q8_0's). Q6_K's values are symmetric about 0 by construction, so a min/max range
+    would buy nothing, and runners drop a symmetric layer's biases (8.5 bits a weight, not 9). q is
+    rounded against the fp16 scale actually stored: the error stays <= half a step (plus fp16)."""
     rows, cols = w.shape
     g = w.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    lo, hi = g.min(axis=2), g.max(axis=2)
-    scales = _fp16((hi - lo) / 255.0, "requantized scales")
-    biases = _fp16(lo, "requantized biases")
+    scales = _fp16(np.abs(g).max(axis=2) / 127.0, "requantized scales")
+    biases = (scales.astype(np.float32) * -128.0).astype(np.float16)  # exact: a power of two
     s32 = scales.astype(np.float32)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s32 > 0, np.rint((g - biases.astype(np.float32)[..., None]) / s32), 0.0)
-    q = np.clip(q, 0, 255).astype(np.uint8).reshape(rows, cols)
+        levels = np.where(s32 > 0, np.rint(g / s32), 0.0) + 128.0
+    q = np.clip(levels, 0, 255).astype(np.uint8).reshape(rows, cols)
     return pack(q, 8), scales, biases
 
 
