@@ -134,7 +134,7 @@ def requantize8(w: npt.NDArray[np.float32]) -> Affine:
     rows, cols = w.shape
     g = w.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     scales = _fp16(np.abs(g).max(axis=2) / 127.0, "requantized scales")
-    biases = (scales.astype(np.float32) * -128.0).astype(np.float16)  # exact: a power of two
+    biases = scales * np.float16(-128)  # exact in fp16: a power of two
     s32 = scales.astype(np.float32)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         levels = np.where(s32 > 0, np.rint(g / s32), 0.0) + 128.0
