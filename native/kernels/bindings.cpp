@@ -42,5 +42,9 @@ NB_MODULE(_kernels, m) {
   m.def("decoder_tail", &shoal::decoder_tail, "attention"_a, "x"_a, "o"_a, "norm_weight"_a, "eps"_a, "gate"_a,
         "up"_a, "down"_a, nb::kw_only(), "stream"_a = nb::none(),
         "h = x + o(attention); h + down(silu(gate(n)) * up(n)) with n = rms_norm(h) * w.");
+  m.def("decode_attention", &shoal::decode_attention, "q"_a, "k"_a, "v"_a, "keys"_a, "values"_a, nb::kw_only(),
+        "index"_a, "dims"_a, "traditional"_a, "base"_a.none(), "rope_scale"_a, "offset"_a, "scale"_a,
+        "freqs"_a = nb::none(), "mask"_a = nb::none(), "stream"_a = nb::none(),
+        "A decode step's rope, KV-cache write at `index` and attention: (out [B, 1, Hq * Dv], keys, values).");
   m.def("fused_kernel_name", [] { return std::string(shoal::active_fused().name); });
 }

@@ -1,4 +1,4 @@
-"""Llama-family decoder layers on the CPU as two native operations each, instead of ~27.
+"""Llama-family decoder layers on the CPU as three native operations each (a decode step), not ~27.
 
 Each MLX operation costs 10-20 us of scheduling on the CPU stream and a few more of Python to
 build, and mlx-lm's llama / qwen2 / qwen3 layer is ~27 of them per decode step. For SmolLM2-135M
@@ -6,8 +6,10 @@ build, and mlx-lm's llama / qwen2 / qwen3 layer is ~27 of them per decode step. 
 `fuse_decoder_layers` gives each layer whose products all run on the kernels (`kernel_layers`) a
 `__call__` that does the same arithmetic with `decoder_head` (norm, q/k/v products written in the
 layout attention reads) and `decoder_tail` (o product, residual, norm, gate/up, silu * up, down,
-residual), keeping mlx-lm's own rope, KV cache and attention in between. The result has the bits
-of the unfused layer (same kernels, same order); tests/test_fused_layers.py holds it to that.
+residual). In between, a decode step's rope, KV-cache write and attention are one more native
+operation (`decode_attention`); prefill chunks, and caches it does not cover, keep mlx-lm's own.
+The result has the bits of the unfused layer (same kernels, same order);
+tests/test_fused_layers.py holds it to that.
 
 The layer keeps its class name, parameters and modules (only its class gets a mixin in front),
 so sharding, `named_modules()` and the prefill's per-layer evaluation (`layer_eval`) see the same
@@ -25,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from node.cpu.decode_attention import cached_attention
 from node.cpu.kernel_layers import KernelQuantizedLinear
 from node.cpu.layer_eval import _EvaluatedInPrefill
 
@@ -79,7 +82,7 @@ class _FusedBlock:
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         block: Any = self
         attn, mlp, norm = block.self_attn, block.mlp, block.input_layernorm
-        batch, length, _ = x.shape
+        length = x.shape[1]
         q, k, v = self._kernels.decoder_head(
             x,
             norm["weight"],
@@ -89,17 +92,9 @@ class _FusedBlock:
         )
         if "q_norm" in attn:  # qwen3: per-head norms (over head_dim, whatever the axis order)
             q, k = attn.q_norm(q), attn.k_norm(k)
-        if cache is not None:
-            q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = attn.rope(q), attn.rope(k)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-        # [B, H, 1, D] already is [B, 1, H * D] in memory; longer inputs need the transpose.
-        if length == 1:
-            out = out.reshape(batch, 1, -1)
-        else:
-            out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        out = cached_attention(self._kernels, attn, q, k, v, cache, mask) if length == 1 else None
+        if out is None:
+            out = self._attention(q, k, v, cache, mask)
         post = block.post_attention_layernorm
         y = self._kernels.decoder_tail(
             out,
@@ -114,6 +109,21 @@ class _FusedBlock:
         if length > 1 and isinstance(self, _EvaluatedInPrefill):
             mx.eval(y)  # what layer_eval's mixin (now behind this one) would do
         return y
+
+    def _attention(self, q: mx.array, k: mx.array, v: mx.array, cache: Any, mask: Any) -> mx.array:
+        """mlx-lm's own rope, cache update and attention; [B, L, H * D] out."""
+        attn: Any = self.self_attn  # type: ignore[attr-defined]
+        batch, _, length, _ = q.shape
+        if cache is not None:
+            q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = attn.rope(q), attn.rope(k)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        # [B, H, 1, D] already is [B, 1, H * D] in memory; longer inputs need the transpose.
+        if length == 1:
+            return out.reshape(batch, 1, -1)
+        return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
 
 _SUBCLASSES: dict[type, type] = {}
