@@ -181,6 +181,12 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, floa
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c + 2, acc1);
   }
+  // The lines the steps above did not reach: the rest of the row ahead, up to its last byte (a row
+  // is rarely a whole number of lines, so its last line would otherwise wait on memory every time).
+  const int row_bytes = chunks * BITS * 4;
+  for (int off = c * BITS * 4; off < row_bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + off + kPrefetchBytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
   if (c + 2 <= chunks) {
     pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
     c += 2;
