@@ -126,14 +126,11 @@ __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const i
   }
 }
 
-// One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations. Works a
-// step of two 32-weight chunks at a time: their int32 sums are scaled by each chunk's
-// scale x activation scale (sxc) and added to one of two float accumulators per row of x,
-// alternating, so that no FMA waits on its predecessor. The same order for any MB.
-template <int BITS, int MB>
-inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, float* sxc, float* y, long ldy, int n,
-                       int m0) {
-  const int K = w.K, groups = a.groups, chunks = K / 32, per_group = w.group_size / 32;
+// The prologue of weight row n against rows [m0, m0 + MB) of x: each chunk's scale x activation
+// scale into sxc (MB x chunks), then per row of x the sum over groups of bias x activation sum.
+template <int MB>
+inline void row_scales(const Weights& w, const Acts& a, int n, int m0, float* sxc) {
+  const int groups = a.groups, chunks = w.K / 32, per_group = w.group_size / 32;
   const long at = static_cast<long>(n) * groups;  // the row's first scale
   const float z = symmetric_bias(w, 1.0f);
   float* bias_sum = sxc + MB * chunks;  // per row of x: the sum over groups of bias x activation sum
@@ -168,6 +165,18 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, floa
       for (int c = 0; c < per_group; c++) sxc[m * chunks + g * per_group + c] = s * a.xscale[r];
     }
   }
+}
+
+// One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations, its
+// prologue (row_scales) already in sxc. Works a step of two 32-weight chunks at a time: their
+// int32 sums are scaled by each chunk's scale x activation scale and added to one of two float
+// accumulators per row of x, alternating, so that no FMA waits on its predecessor. The same order
+// for any MB.
+template <int BITS, int MB>
+inline void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
+                        int n, int m0) {
+  const int K = w.K, chunks = K / 32;
+  const float* bias_sum = sxc + MB * chunks;
   // acc0 takes pairs 0, 2, 4, ..., acc1 pairs 1, 3, ...: the loop is unrolled so that both stay in
   // registers (indexing one array by the pair's parity kept them on the stack).
   __m256 acc0[MB], acc1[MB];
@@ -199,6 +208,13 @@ inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, floa
     }
   }
   for (int m = 0; m < MB; m++) y[(m0 + m) * ldy + n] = hsum(_mm256_add_ps(acc0[m], acc1[m])) + bias_sum[m];
+}
+
+template <int BITS, int MB>
+inline void affine_row(const Weights& w, const Acts& a, const uint8_t* row, float* sxc, float* y, long ldy, int n,
+                       int m0) {
+  row_scales<MB>(w, a, n, m0, sxc);
+  affine_body<BITS, MB>(w, a, row, sxc, y, ldy, n, m0);
 }
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).
@@ -253,7 +269,19 @@ constexpr BlockFn kBlocks[4] = {row_block<1>, row_block<2>, row_block<3>, row_bl
 
 void avx2_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
-  sx.resize(static_cast<size_t>(4) * (w.K / 32) + 8);
+  const long per_row = 4l * (w.K / 32) + 8;
+  sx.resize(static_cast<size_t>(2 * per_row));
+  if (a.M == 1 && (w.format == Format::Affine4 || w.format == Format::Affine8) && n0 < n1) {
+    // Decode: the next row's prologue is written before this row's products read theirs, so those
+    // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
+    const auto body = w.format == Format::Affine4 ? affine_body<4, 1> : affine_body<8, 1>;
+    row_scales<1>(w, a, n0, 0, sx.data());
+    for (int n = n0; n < n1; n++) {
+      if (n + 1 < n1) row_scales<1>(w, a, n + 1, 0, sx.data() + ((n + 1 - n0) & 1) * per_row);
+      body(w, a, w.data + static_cast<long>(n) * w.row_bytes, sx.data() + ((n - n0) & 1) * per_row, y, ldy, n, 0);
+    }
+    return;
+  }
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
     for (int m0 = 0; m0 < a.M; m0 += 4) kBlocks[std::min(4, a.M - m0) - 1](w, a, row, sx.data(), y, ldy, n, m0);
