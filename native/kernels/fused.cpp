@@ -1,6 +1,7 @@
-// The fused operations and their CPU evaluation. Each reads its inputs with their strides (mlx-lm
-// hands rope a transposed view and sdpa slices of a preallocated KV cache), writes a row-major
-// float32 output, and splits rows over the pool only when there is enough work to pay for it.
+// The fused rms_norm and rope and their CPU evaluation, and the portable inner loops (attention
+// lives in attention.cpp). Each reads its inputs with their strides (mlx-lm hands rope a
+// transposed view), writes a row-major float32 output, and splits rows over the pool only when
+// there is enough work to pay for it.
 #include "fused.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// AVX2 + FMA inner loops of the fused operations (fused.cpp holds the rest). Compiled with
+// AVX2 + FMA inner loops of the fused operations (fused.cpp and attention.cpp hold the rest). Compiled with
 // -mavx2 -mfma like avx2.cpp; used only when the matmul kernels chose AVX2 at run time.
 #include "fused.h"
 
