@@ -61,7 +61,7 @@ def cached_attention(
     keys, values = cache.keys, cache.values
     if index >= keys.shape[2] or keys.dtype != mx.float32 or values.dtype != mx.float32:
         return None
-    if q.shape[2] != 1 or not (mask is None or mask == "causal" or isinstance(mask, mx.array)):
+    if q.shape[2] != 1 or not (mask is None or isinstance(mask, mx.array) or mask == "causal"):
         return None
     spec = rope_spec(attn.rope)
     if spec is None:
