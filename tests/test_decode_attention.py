@@ -57,25 +57,26 @@ def _step(
     return out.reshape(q.shape[0], 1, -1), keys, values
 
 
-def _native(*args: Any) -> tuple[mx.array, mx.array, mx.array]:
-    """decode_attention(q, k, v, keys, values, index, spec, offset, mask) with the test's scale."""
-    q, k, v, keys, values, index, spec, offset, mask = args
+def _native(args: dict[str, Any], **changes: Any) -> tuple[mx.array, mx.array, mx.array]:
+    """decode_attention on a case's inputs (`_inputs`), some of them replaced, at the test's scale."""
+    a = {**args, **changes}
+    spec = a["spec"]
     assert KERNELS is not None
     return KERNELS.decode_attention(
-        q,
-        k,
-        v,
-        keys,
-        values,
-        index=index,
+        a["q"],
+        a["k"],
+        a["v"],
+        a["keys"],
+        a["values"],
+        index=a["index"],
         dims=spec["dims"],
         traditional=spec["traditional"],
         base=spec["base"],
         rope_scale=spec["scale"],
-        offset=offset,
+        offset=a["offset"],
         scale=0.17,
         freqs=spec["freqs"],
-        mask=mask,
+        mask=a["mask"],
     )
 
 
@@ -120,22 +121,11 @@ def test_matches_rope_cache_update_and_attention(name: str) -> None:
     args = _inputs(CASES[name])
     copies = lambda: (mx.array(args["keys"]), mx.array(args["values"]))  # noqa: E731
     keys, values = copies()
-    got = _native(
-        args["q"],
-        args["k"],
-        args["v"],
-        keys,
-        values,
-        args["index"],
-        args["spec"],
-        args["offset"],
-        args["mask"],
-    )
+    got = _native(args, keys=keys, values=values)
     parts = {n: args[n] for n in ("q", "k", "v", "index", "spec", "offset", "mask")}
     want = _step(
         original_op("rope"),
         original_op("scaled_dot_product_attention"),
-        *(),
         **parts,
         keys=copies()[0],
         values=copies()[1],
@@ -156,19 +146,9 @@ def test_matches_rope_cache_update_and_attention(name: str) -> None:
 
 def test_a_cache_still_held_elsewhere_is_copied_not_written() -> None:
     args = _inputs(CASES["batch, padded"])
-    keys, values = args["keys"], args["values"]
+    keys = args["keys"]
     before = mx.array(keys)
-    out, new_keys, new_values = _native(
-        args["q"],
-        args["k"],
-        args["v"],
-        keys,
-        values,
-        args["index"],
-        args["spec"],
-        args["offset"],
-        args["mask"],
-    )
+    out, new_keys, new_values = _native(args)
     mx.eval(out, new_keys, new_values)
     assert bool(mx.array_equal(keys, before).item())  # the held array is unchanged
     assert not bool(mx.array_equal(new_keys[..., args["index"], :], before[..., args["index"], :]).item())
@@ -178,22 +158,11 @@ def test_a_cache_still_held_elsewhere_is_copied_not_written() -> None:
 def test_bad_inputs_are_refused_by_name() -> None:
     args = _inputs(CASES["one sequence"], index=5, capacity=8)
     with pytest.raises(ValueError, match="index"):
-        _native(args["q"], args["k"], args["v"], args["keys"], args["values"], 8, args["spec"], 5, None)
+        _native(args, index=8, offset=5)
     with pytest.raises(ValueError, match="one position"):
-        q2 = mx.concatenate([args["q"], args["q"]], axis=2)
-        _native(q2, args["k"], args["v"], args["keys"], args["values"], 5, args["spec"], 5, None)
+        _native(args, q=mx.concatenate([args["q"], args["q"]], axis=2), offset=5)
     with pytest.raises(ValueError, match="broadcast"):
-        _native(
-            args["q"],
-            args["k"],
-            args["v"],
-            args["keys"],
-            args["values"],
-            5,
-            args["spec"],
-            5,
-            mx.ones((1, 1, 1, 3), dtype=mx.bool_),
-        )
+        _native(args, offset=5, mask=mx.ones((1, 1, 1, 3), dtype=mx.bool_))
 
 
 class _Attention:

@@ -82,7 +82,6 @@ def cached_attention(
         freqs=spec.freqs,
         mask=mask if isinstance(mask, mx.array) else None,  # one query: "causal" sees every key
     )
-    del keys, values  # the caches' old arrays: only the operation holds them, so it reuses them
     if kind is KVCache:
         cache.offset += 1
     else:
