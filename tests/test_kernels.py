@@ -47,8 +47,9 @@ def _affine(n: int, k: int, bits: int, group: int, scale_dtype: mx.Dtype) -> tup
 @pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_affine_products_match_dequantize_then_matmul(bits: int, group: int, scale_dtype: mx.Dtype) -> None:
     mx.random.seed(bits * group)
-    k = 3 * group  # not a multiple of any tile or of 256
-    for n in (1, 17, 203):
+    # Not multiples of any tile or of 256: 3 * 32 and 7 * 32 end in a pair and a lone chunk of 32
+    # after whole 64-byte steps (4-bit), 7 * 128 is an odd number of steps.
+    for n, k in ((1, 3 * group), (17, 3 * group), (203, 3 * group), (40, 7 * group)):
         wq, scales, biases = _affine(n, k, bits, group, scale_dtype)
         dense = mx.dequantize(
             wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
@@ -57,13 +58,13 @@ def test_affine_products_match_dequantize_then_matmul(bits: int, group: int, sca
             x = mx.random.normal((m, k))
             got = _kernels().weight_matmul(x, wq, scales, biases, group_size=group, bits=bits)
             assert got.shape == (m, n) and got.dtype == mx.float32
-            assert _error(got, x, dense) < 1e-4, (n, m)
+            assert _error(got, x, dense) < 1e-4, (n, k, m)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_16_bit_products_match_float32(dtype: mx.Dtype) -> None:
     mx.random.seed(7)
-    for n, k in ((5, 8), (130, 200), (64, 1032)):
+    for n, k in ((5, 8), (130, 200), (64, 1032), (9, 1048)):
         w = (mx.random.normal((n, k)) * 0.05).astype(dtype)
         for m in ROWS:
             x = mx.random.normal((m, k))
@@ -106,6 +107,37 @@ def test_bad_arguments_are_clear_errors() -> None:
         k.weight_matmul(mx.zeros((1, 64)), wq, group_size=32, bits=4)
     with pytest.raises(ValueError, match="weights must be uint32"):
         k.weight_matmul(mx.zeros((1, 64)), mx.zeros((16, 64)))
+
+
+NARROWER = {"avx512": ("avx2", "portable"), "avx2": ("portable",), "portable": ()}
+"""The instruction sets below each one: the CPU has them too, and SHOAL_KERNEL_ISA selects them."""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
+    """This process runs the widest kernels the CPU has; a child runs this file's product tests
+    with SHOAL_KERNEL_ISA capping them, so every kernel set the machine can run is checked."""
+    active = _kernels().kernel_name()
+    if isa not in NARROWER[active]:
+        pytest.skip(f"the CPU's widest kernels are {active}: this process tested them")
+    env = {**os.environ, "SHOAL_KERNEL_ISA": isa}
+    reason = subprocess.run(
+        [sys.executable, "-c", "from node.native import load_kernels; print(load_kernels().reason)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reason.stdout.startswith(f"{isa} kernels"), reason
+    tests = "products or bits or strided"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
 _CHECK = """

@@ -71,7 +71,7 @@ const FusedKernels& portable_fused() {
 
 const FusedKernels& active_fused() {
   static const FusedKernels* chosen =
-      std::strcmp(active_kernels().name, "avx2") == 0 && avx2_fused() ? avx2_fused() : &portable_fused();
+      std::strcmp(active_kernels().name, "portable") != 0 && avx2_fused() ? avx2_fused() : &portable_fused();
   return *chosen;
 }
 

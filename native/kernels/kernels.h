@@ -59,8 +59,10 @@ struct Kernels {
 constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles
 
 const Kernels& portable_kernels();
-// The AVX2+FMA+F16C kernels, or nullptr when this build or CPU has none.
+// The AVX2+FMA+F16C kernels, or nullptr when this build has none.
 const Kernels* avx2_kernels();
+// The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none.
+const Kernels* avx512_kernels();
 
 // The bias of a group with scale s when the weights come without biases (symmetric).
 inline float symmetric_bias(const Weights& w, float s) {
@@ -68,15 +70,16 @@ inline float symmetric_bias(const Weights& w, float s) {
 }
 // Scales and biases of row n as floats (shared by every kernel).
 void row_scales(const Weights& w, int n, float* scales, float* biases);
-// Where x[k] goes in a row of Acts::xq. The kernels read weights as 16-bit lanes and take their
-// values apart with shifts and masks, never shuffles, so each value lands in the lane it was in:
-// - Affine4: a pair of 32-weight chunks (c, c + 1) is 16 lanes of 4 nibbles, lane i holding
-//   weights 4i .. 4i + 3 of the pair; nibble j of every lane makes one vector, so the pair's 64
-//   activations are 4 blocks of 16, block j = the weights 4i + j. A last chunk without a pair:
-//   4 blocks of 8.
-// - Affine8: a chunk is 16 lanes of 2 bytes; its 32 activations are the 16 evens, then the odds.
-int affine_position(int k, int K, Format format);
-// The portable `prepare`: plain C++, one value at a time.
+// Where x[k] goes in a row of Acts::xq, for kernels that read `step_bytes` (32: AVX2, 64: AVX-512)
+// of a weight row at a time. They read weights as 16-bit lanes and take their values apart with
+// shifts and masks, never shuffles, so each value lands in the lane it was in. A row's chunks of
+// 32 weights form spans of one step (4-bit: 2 chunks per 32 bytes; 8-bit: 1), then the rest in
+// spans of half a step, a quarter, ... Within a span of S chunks (value e of the span):
+// - Affine4: 8S lanes of 4 nibbles, lane i holding values 4i .. 4i + 3; nibble j of every lane
+//   makes one vector, so the activations are 4 blocks of 8S, block j = the values 4i + j.
+// - Affine8: 16S lanes of 2 bytes; the activations are the 16S evens, then the odds.
+int affine_position(int k, int K, Format format, int step_bytes);
+// The portable `prepare` (for 32-byte steps): plain C++, one value at a time.
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 
 }  // namespace shoal

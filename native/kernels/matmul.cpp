@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -168,14 +169,19 @@ Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* 
 
 const Kernels& active_kernels() {
   static const Kernels* chosen = [] {
-    const char* isa = std::getenv("SHOAL_KERNEL_ISA");
-    bool portable = isa && std::strcmp(isa, "portable") == 0;
+    // SHOAL_KERNEL_ISA=portable or avx2 caps the instruction set (to compare them, or to rule one
+    // out); otherwise the widest this CPU has.
+    const char* cap = std::getenv("SHOAL_KERNEL_ISA");
+    const std::string isa = cap ? cap : "";
 #if defined(__x86_64__)
-    if (!portable && avx2_kernels() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-      return avx2_kernels();
+    const bool avx2 = avx2_kernels() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && avx512_kernels() && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512vnni");
+    if (avx512 && isa != "portable" && isa != "avx2") return avx512_kernels();
+    if (avx2 && isa != "portable") return avx2_kernels();
 #endif
-    (void)portable;
     return &portable_kernels();
   }();
   return *chosen;

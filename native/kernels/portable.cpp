@@ -100,12 +100,21 @@ void portable_dequant(const Weights& w, int n0, int n1, float* out) {
 
 }  // namespace
 
-int affine_position(int k, int K, Format format) {
-  const int chunk = k / 32, j = k % 32;
-  if (format != Format::Affine4) return chunk * 32 + (j & 1) * 16 + (j >> 1);
-  if ((chunk | 1) >= K / 32) return chunk * 32 + (j & 3) * 8 + (j >> 2);  // a last chunk without a pair
-  const int e = k % 64;  // within the pair
-  return (chunk & ~1) * 32 + (e & 3) * 16 + (e >> 2);
+int affine_position(int k, int K, Format format, int step_bytes) {
+  const int bits = format == Format::Affine4 ? 4 : 8, span = step_bytes * 8 / (32 * bits), chunks = K / 32;
+  const int chunk = k / 32, full = chunks / span * span;
+  int first = chunk / span * span, size = span;  // the span holding k: its first chunk and size
+  if (chunk >= full) {  // the rest (fewer than a span) as spans of half a span, a quarter, ..., 1
+    first = full;
+    for (size = span / 2; size > 1; size /= 2) {
+      if (chunks - first < size) continue;  // no such span in the rest
+      if (chunk < first + size) break;
+      first += size;
+    }
+  }
+  const int e = k - first * 32;
+  if (bits == 4) return first * 32 + (e & 3) * 8 * size + (e >> 2);
+  return first * 32 + (e & 1) * 16 * size + (e >> 1);
 }
 
 void row_scales(const Weights& w, int n, float* scales, float* biases) {
@@ -120,7 +129,7 @@ void row_scales(const Weights& w, int n, float* scales, float* biases) {
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs;
   std::vector<int> position(K);
-  for (int k = 0; k < K; k++) position[k] = affine_position(k, K, w.format);
+  for (int k = 0; k < K; k++) position[k] = affine_position(k, K, w.format, 32);
   for (int m = 0; m < M; m++) {
     const float* xr = x + static_cast<long>(m) * K;
     int16_t* qr = xq + static_cast<long>(m) * K;
