@@ -151,6 +151,30 @@ def test_decision_on_appends_to_ld_preload_and_respects_thread_choice() -> None:
     assert default.env["SHOAL_BLAS_THREADS"] == str(fastpath.usable_cores())
 
 
+_HUGE = """
+import re, mlx.core as mx
+a = mx.zeros((64 << 20) // 4)
+mx.eval(a + 1)
+print(re.search(r"AnonHugePages:\\s+(\\d+)", open("/proc/self/smaps_rollup").read()).group(1))
+"""
+
+
+@needs_shim
+def test_runner_weights_get_huge_pages_unless_the_user_chose() -> None:
+    """The runner's large MLX buffers come on transparent huge pages (where the kernel offers them);
+    GLIBC_TUNABLES the user set are kept, and their own hugetlb choice wins."""
+    assert fastpath.decide({}).env["GLIBC_TUNABLES"] == fastpath.HUGE_PAGES
+    kept = fastpath.decide({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}).env["GLIBC_TUNABLES"]
+    assert kept == f"glibc.malloc.arena_max=2:{fastpath.HUGE_PAGES}"
+    assert "GLIBC_TUNABLES" not in fastpath.decide({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}).env
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.is_file() or "[never]" in thp.read_text():
+        pytest.skip("this kernel offers no transparent huge pages")
+    done = _run_preloaded(_HUGE)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) >= 32 << 10, done.stdout  # kB: most of the 64 MB buffer
+
+
 def _fake_cpu(sysfs: Path, cpu: int, package: int, core: int) -> None:
     topology = sysfs / f"cpu{cpu}" / "topology"
     topology.mkdir(parents=True)
