@@ -224,20 +224,15 @@ struct SpanOrders {
   }
 };
 
-// The `prepare` of kernels reading STEP bytes of a weight row at a time: each group of x rounded to
-// int16 at its own scale (as prepare_acts: the same values), then moved span by span to where the
-// kernel reads it.
-template <int STEP>
-void vector_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
-  static const SpanOrders<STEP> order4(Format::Affine4), order8(Format::Affine8);
-  const SpanOrders<STEP>& order = w.format == Format::Affine4 ? order4 : order8;
-  const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
-  const int span = STEP * 8 / (32 * (w.format == Format::Affine4 ? 4 : 8));
+// Row m of x rounded to int16 per group at the group's own scale (as prepare_acts: the same
+// values), in natural order: `prepare` for the prefill kernels, and the first half of
+// vector_prepare.
+inline void natural_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  const int K = w.K, gs = w.group_size, groups = K / gs;
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  thread_local std::vector<int16_t> natural;
-  natural.resize(static_cast<size_t>(K));
   for (int m = 0; m < M; m++) {
     const float* xr = x + static_cast<long>(m) * K;
+    int16_t* qr = xq + static_cast<long>(m) * K;
     for (int g = 0; g < groups; g++) {
       const float* xg = xr + g * gs;
       __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
@@ -256,9 +251,24 @@ void vector_prepare(const Weights& w, const float* x, int M, int16_t* xq, float*
         __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inv));
         __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i + 8), inv));
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + g * gs + i), packed);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + g * gs + i), packed);
       }
     }
+  }
+}
+
+// The `prepare` of kernels reading STEP bytes of a weight row at a time: natural_prepare's values,
+// moved span by span to where the kernel reads them.
+template <int STEP>
+void vector_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  static const SpanOrders<STEP> order4(Format::Affine4), order8(Format::Affine8);
+  const SpanOrders<STEP>& order = w.format == Format::Affine4 ? order4 : order8;
+  const int K = w.K, groups = K / w.group_size, chunks = K / 32;
+  const int span = STEP * 8 / (32 * (w.format == Format::Affine4 ? 4 : 8));
+  thread_local std::vector<int16_t> natural;
+  natural.resize(static_cast<size_t>(K));
+  for (int m = 0; m < M; m++) {
+    natural_prepare(w, x + static_cast<long>(m) * K, 1, natural.data(), xscale + m * groups, xsum + m * groups);
     int16_t* qr = xq + static_cast<long>(m) * K;
     int c = 0;  // whole spans, then the rest in spans of half a span, a quarter, ...
     for (int size = span, l = span == 4 ? 2 : span - 1; size >= 1; size /= 2, l--) {

@@ -155,7 +155,8 @@ struct Avx512 {
 const Kernels* avx512_kernels() {
   const Kernels* avx2 = avx2_kernels();
   if (!avx2) return nullptr;
-  static const Kernels kernels{"avx512", vector_rows<Avx512>, avx2->dequant, vector_prepare<kStep>};
+  static const Kernels kernels{"avx512",     vector_rows<Avx512>,  avx2->dequant, vector_prepare<kStep>,
+                               avx512_gemm_kernel(), natural_prepare};
   return &kernels;
 }
 

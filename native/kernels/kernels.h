@@ -54,15 +54,22 @@ struct Kernels {
   RowsFn rows;
   DequantFn dequant;
   PrepareFn prepare;
+  // Prefill of affine weights without sgemm (nullptr: dequantized tiles and sgemm): `gemm` for
+  // output rows [n0, n1), a multiple of kGemmRows apart, of activations `gemm_prepare` filled.
+  RowsFn gemm = nullptr;
+  PrepareFn gemm_prepare = nullptr;
 };
 
-constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles
+constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles or `gemm`
+constexpr int kGemmRows = 32;  // weight rows per `gemm` panel
 
 const Kernels& portable_kernels();
 // The AVX2+FMA+F16C kernels, or nullptr when this build has none.
 const Kernels* avx2_kernels();
 // The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none.
 const Kernels* avx512_kernels();
+// Their `gemm` (gemm_avx512.cpp), or nullptr.
+RowsFn avx512_gemm_kernel();
 
 // The bias of a group with scale s when the weights come without biases (symmetric).
 inline float symmetric_bias(const Weights& w, float s) {

@@ -105,6 +105,30 @@ void tiled_product(const Weights& w, const float* x, int M, float* y) {
   });
 }
 
+// Prefill through the kernels' own `gemm`: x rounded per group once (split over the pool by rows),
+// then one task per panel of weight rows.
+void gemm_product(const Kernels& k, const Weights& w, const float* x, int M, float* y) {
+  constexpr int kPrepareRows = 16;
+  Pool& pool = Pool::instance();
+  const int K = w.K, groups = K / w.group_size;
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xscale, xsum;
+  xq.resize(static_cast<size_t>(M) * K);
+  xscale.resize(static_cast<size_t>(M) * groups);
+  xsum.resize(static_cast<size_t>(M) * groups);
+  // The buffers are this thread's: tasks on other threads reach them through these pointers.
+  int16_t* q = xq.data();
+  float *scale = xscale.data(), *sum = xsum.data();
+  pool.run((M + kPrepareRows - 1) / kPrepareRows, [&](int t) {
+    const long m0 = static_cast<long>(t) * kPrepareRows;
+    k.gemm_prepare(w, x + m0 * K, std::min<int>(kPrepareRows, M - m0), q + m0 * K, scale + m0 * groups,
+                   sum + m0 * groups);
+  });
+  const Acts a{M, K, groups, x, q, scale, sum};
+  pool.run((w.N + kGemmRows - 1) / kGemmRows,
+           [&](int t) { k.gemm(w, a, y, w.N, t * kGemmRows, std::min(w.N, (t + 1) * kGemmRows)); });
+}
+
 }  // namespace
 
 // x as a row-major float buffer: its own data when it already is, else a strided copy.
@@ -125,7 +149,10 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
 }
 
 void product(const Weights& w, const float* x, int M, float* y) {
-  if (M > kMaxRows && sgemm) {
+  const Kernels& k = active_kernels();
+  if (M > kMaxRows && k.gemm && is_affine(w.format)) {
+    gemm_product(k, w, x, M, y);
+  } else if (M > kMaxRows && sgemm) {
     tiled_product(w, x, M, y);
   } else {
     small_product(w, x, M, y);
