@@ -24,7 +24,7 @@ namespace {
 // accumulators per row of x, alternating, so that no FMA waits on its predecessor. The same order
 // for any MB.
 template <int BITS, int MB>
-inline void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
+void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
                         int n, int m0) {
   const int K = w.K, chunks = K / 32;
   const float* bias_sum = sxc + MB * chunks;
@@ -63,7 +63,7 @@ inline void affine_body(const Weights& w, const Acts& a, const uint8_t* row, con
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).
 template <bool BF, int MB>
-inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
+void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
   const int K = w.K;
   __m256 acc0[MB], acc1[MB];
   for (int m = 0; m < MB; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
@@ -88,18 +88,6 @@ inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float
   }
 }
 
-// What vector_rows (avx2_util.h) needs of this file.
-struct Avx2 {
-  template <int BITS, int MB>
-  static void affine(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
-                     int m0) {
-    affine_body<BITS, MB>(w, a, row, sxc, y, ldy, n, m0);
-  }
-  template <bool BF, int MB>
-  static void half(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
-    half_row<BF, MB>(w, a, row, y, ldy, n, m0);
-  }
-};
 
 void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   const int K = w.K;
@@ -146,7 +134,7 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
 }  // namespace
 
 const Kernels* avx2_kernels() {
-  static const Kernels kernels{"avx2", vector_rows<Avx2>, avx2_dequant, vector_prepare<32>};
+  static const Kernels kernels{"avx2", vector_rows, avx2_dequant, vector_prepare<32>};
   return &kernels;
 }
 

@@ -165,41 +165,47 @@ inline void row_scales(const Weights& w, const Acts& a, int n, int m0, float* sx
   }
 }
 
-// A weight row against rows [m0, m0 + MB) of x through an ISA's row bodies: Isa::affine<BITS, MB>
-// (the products, after row_scales) and Isa::half<BF, MB> (16-bit weights).
-template <class Isa, int MB>
+// The row bodies each ISA's file defines for vector_rows: one affine weight row's products after
+// its prologue (row_scales), and one 16-bit weight row's, against rows [m0, m0 + MB) of x.
+template <int BITS, int MB>
+void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
+                 int m0);
+template <bool BF, int MB>
+void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0);
+
+// A weight row against rows [m0, m0 + MB) of x through the row bodies.
+template <int MB>
 void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
   switch (w.format) {
     case Format::Affine4:
       row_scales<MB>(w, a, n, m0, sx);
-      Isa::template affine<4, MB>(w, a, row, sx, y, ldy, n, m0);
+      affine_body<4, MB>(w, a, row, sx, y, ldy, n, m0);
       break;
     case Format::Affine8:
       row_scales<MB>(w, a, n, m0, sx);
-      Isa::template affine<8, MB>(w, a, row, sx, y, ldy, n, m0);
+      affine_body<8, MB>(w, a, row, sx, y, ldy, n, m0);
       break;
     case Format::F16:
-      Isa::template half<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
+      half_row<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
       break;
     case Format::BF16:
-      Isa::template half<true, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
+      half_row<true, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
       break;
   }
 }
 
-// The `rows` kernel of an ISA. Rows of x go in blocks of at most 4 per pass over a weight row (more
+// The `rows` kernel of an ISA (its row bodies). Rows of x go in blocks of at most 4 per pass over a weight row (more
 // would spill registers; the row is still in L1 for the second pass).
-template <class Isa>
-void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
+inline void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
   using BlockFn = void (*)(const Weights&, const Acts&, const uint8_t*, float*, float*, long, int, int);
-  constexpr BlockFn blocks[4] = {row_block<Isa, 1>, row_block<Isa, 2>, row_block<Isa, 3>, row_block<Isa, 4>};
+  constexpr BlockFn blocks[4] = {row_block<1>, row_block<2>, row_block<3>, row_block<4>};
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
   const long per_row = 4l * (w.K / 32) + 8;
   sx.resize(static_cast<size_t>(2 * per_row));
   if (a.M == 1 && (w.format == Format::Affine4 || w.format == Format::Affine8) && n0 < n1) {
     // Decode: the next row's prologue is written before this row's products read theirs, so those
     // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
-    const auto body = w.format == Format::Affine4 ? Isa::template affine<4, 1> : Isa::template affine<8, 1>;
+    const auto body = w.format == Format::Affine4 ? affine_body<4, 1> : affine_body<8, 1>;
     row_scales<1>(w, a, n0, 0, sx.data());
     for (int n = n0; n < n1; n++) {
       if (n + 1 < n1) row_scales<1>(w, a, n + 1, 0, sx.data() + ((n + 1 - n0) & 1) * per_row);

@@ -67,7 +67,7 @@ __attribute__((always_inline)) inline void step_into(const uint8_t* row, const i
 // prologue (row_scales) in sxc. Steps alternate between two accumulators per row of x, so no FMA
 // waits on its predecessor; the tail goes to a third, in avx2.cpp's 32-byte form.
 template <int BITS, int MB>
-inline void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
+void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
                         int n, int m0) {
   constexpr int per_step = kStep * 8 / (32 * BITS);  // chunks
   const int K = w.K, chunks = K / 32, steps = chunks / per_step, row_bytes = chunks * BITS * 4;
@@ -111,7 +111,7 @@ inline void affine_body(const Weights& w, const Acts& a, const uint8_t* row, con
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly), 32 a step.
 template <bool BF, int MB>
-inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
+void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
   const int K = w.K;
   __m512 acc0[MB], acc1[MB];
   for (int m = 0; m < MB; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
@@ -137,25 +137,13 @@ inline void half_row(const Weights& w, const Acts& a, const uint16_t* row, float
   }
 }
 
-// What vector_rows (avx2_util.h) needs of this file.
-struct Avx512 {
-  template <int BITS, int MB>
-  static void affine(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
-                     int m0) {
-    affine_body<BITS, MB>(w, a, row, sxc, y, ldy, n, m0);
-  }
-  template <bool BF, int MB>
-  static void half(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
-    half_row<BF, MB>(w, a, row, y, ldy, n, m0);
-  }
-};
 
 }  // namespace
 
 const Kernels* avx512_kernels() {
   const Kernels* avx2 = avx2_kernels();
   if (!avx2) return nullptr;
-  static const Kernels kernels{"avx512",     vector_rows<Avx512>,  avx2->dequant, vector_prepare<kStep>,
+  static const Kernels kernels{"avx512",     vector_rows,  avx2->dequant, vector_prepare<kStep>,
                                avx512_gemm_kernel(), natural_prepare};
   return &kernels;
 }
