@@ -7,6 +7,8 @@
 //   multiplied by a single-threaded OpenBLAS sgemm. Dequantizing costs K floats per weight row,
 //   the sgemm 2 * M * K flops, so for M > 8 the tile is nearly free and the speed is sgemm's.
 //   Without a BLAS library the rows kernel runs over x in blocks of kMaxRows rows instead.
+//   Kernels with a `gemm` of their own (AVX-512 VNNI) run it for affine weights instead: x
+//   rounded to int16 once, then one task per panel of kGemmRows weight rows.
 #include "matmul.h"
 
 #include <dlfcn.h>
