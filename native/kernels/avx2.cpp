@@ -25,7 +25,7 @@ namespace {
 // for any MB.
 template <int BITS, int MB>
 void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
-                        int n, int m0) {
+                 int n, int m0) {
   const int K = w.K, chunks = K / 32;
   const float* bias_sum = sxc + MB * chunks;
   // acc0 takes pairs 0, 2, 4, ..., acc1 pairs 1, 3, ...: the loop is unrolled so that both stay in

@@ -194,8 +194,8 @@ void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, f
   }
 }
 
-// The `rows` kernel of an ISA (its row bodies). Rows of x go in blocks of at most 4 per pass over a weight row (more
-// would spill registers; the row is still in L1 for the second pass).
+// The `rows` kernel of an ISA (through its row bodies). Rows of x go in blocks of at most 4 per
+// pass over a weight row (more would spill registers; the row is still in L1 for the second pass).
 inline void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
   using BlockFn = void (*)(const Weights&, const Acts&, const uint8_t*, float*, float*, long, int, int);
   constexpr BlockFn blocks[4] = {row_block<1>, row_block<2>, row_block<3>, row_block<4>};
@@ -230,8 +230,8 @@ struct SpanOrders {
   }
 };
 
-// Row m of x rounded to int16 per group at the group's own scale (as prepare_acts: the same
-// values), in natural order: `prepare` for the prefill kernels, and the first half of
+// M rows of x rounded to int16 per group at the group's own scale (as prepare_acts: the same
+// values), in natural order: `gemm_prepare` for the prefill kernels, and the first half of
 // vector_prepare.
 inline void natural_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs;

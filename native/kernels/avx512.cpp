@@ -5,9 +5,10 @@
 // chunks of 32 weights; 8-bit: 2) as 32 lanes of 16 bits, takes its values apart with shifts and
 // masks, and multiplies them with the int16 activations by `vpdpwssd`, which multiplies, adds
 // pairs and accumulates in one instruction (32 products). A row's tail (fewer chunks than a step),
-// its prologue and the rows loop are avx2.cpp's (avx2_util.h); so is prefill's dequantization,
-// whose time is the sgemm's. As there, each output element is computed the same way whatever the
-// number of rows, so a sequence gives the same bits alone or in a batch.
+// its prologue and the rows loop are avx2.cpp's (avx2_util.h); so is the dequantization of
+// 16-bit weights for sgemm in prefill (quantized ones go to gemm_avx512.cpp). As there, each
+// output element is computed the same way whatever the number of rows, so a sequence gives the
+// same bits alone or in a batch.
 #include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -68,7 +69,7 @@ __attribute__((always_inline)) inline void step_into(const uint8_t* row, const i
 // waits on its predecessor; the tail goes to a third, in avx2.cpp's 32-byte form.
 template <int BITS, int MB>
 void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
-                        int n, int m0) {
+                 int n, int m0) {
   constexpr int per_step = kStep * 8 / (32 * BITS);  // chunks
   const int K = w.K, chunks = K / 32, steps = chunks / per_step, row_bytes = chunks * BITS * 4;
   const float* bias_sum = sxc + MB * chunks;
