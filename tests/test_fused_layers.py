@@ -148,3 +148,30 @@ def test_bad_shapes_are_refused_by_name() -> None:
             (up, None, None, None, 0, 16),
             (down, None, None, None, 0, 16),
         )
+
+
+def _projection(n: int, k: int, bits: int, group: int) -> tuple[Any, ...]:
+    w = mx.random.normal((n, k)) * 0.05
+    if bits == 16:
+        return (w.astype(mx.bfloat16), None, None, None, 0, 16)
+    q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return (q, scales.astype(mx.float16), biases.astype(mx.float16), None, group, bits)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-layout", "mixed"])
+def test_decoder_head_projections_have_the_bits_of_single_products(rows: int, mixed: bool) -> None:
+    """q/k/v of one layout share one pool job; mixed ones go one by one: both give each product's bits."""
+    assert KERNELS is not None
+    mx.random.seed(3)
+    layouts = [(4, 32), (8, 64), (16, 0)] if mixed else [(4, 32)] * 3
+    # 82 KB of 4-bit weights: above the size that splits a product over the threads
+    sizes = zip((384, 128, 128), layouts, strict=True)
+    projections = [_projection(n, 256, bits, group) for n, (bits, group) in sizes]
+    x, norm = mx.random.normal((rows, 1, 256)), mx.random.uniform(0.5, 1.5, (256,))
+    got = KERNELS.decoder_head(x, norm, 1e-5, projections, [6, 2, 2])
+    normed = KERNELS.rms_norm(x, norm, 1e-5)
+    for out, (w, scales, biases, _, group, bits), heads in zip(got, projections, (6, 2, 2), strict=True):
+        want = KERNELS.weight_matmul(normed, w, scales, biases, group_size=group, bits=bits)
+        want = want.reshape(rows, 1, heads, -1).transpose(0, 2, 1, 3)
+        assert out.shape == want.shape and bool(mx.array_equal(out, want).item())

@@ -139,12 +139,21 @@ void DecoderHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     float* xn = buffer(normed, static_cast<long>(M) * E);
     rms_rows(row_major(x, xcopy), M, E, weight_row(in[1], wcopy), eps, xn);
     size_t at = 2;
+    std::vector<Bound> bound;
+    long total = 0;  // columns of all projections: with several tokens they go to tmp first
+    for (const auto& d : descs) bound.push_back(bound_at(d, in, at)), total += d.spec.N;
+    float* staged = L == 1 ? nullptr : buffer(tmp, static_cast<long>(M) * total);
+    std::vector<Output> outs;  // one token: [B, N] is [B, H, 1, D], written in place
     for (size_t i = 0; i < descs.size(); i++) {
-      const Bound p = bound_at(descs[i], in, at);
+      outs.push_back({&bound[i].weights, L == 1 ? out[i].data<float>() : staged});
+      if (L > 1) staged += static_cast<long>(M) * descs[i].spec.N;
+    }
+    products(outs, xn, M);
+    for (size_t i = 0; i < descs.size(); i++) {
+      const Bound& p = bound[i];
       const int N = descs[i].spec.N, H = heads[i], D = N / H;
       float* y = out[i].data<float>();
-      float* dst = L == 1 ? y : buffer(tmp, static_cast<long>(M) * N);  // one token: [B, N] is [B, H, 1, D]
-      product(p.weights, xn, M, dst);
+      float* dst = outs[i].y;
       if (p.bias)
         for (long r = 0; r < M; r++) add_into(dst + r * N, dst + r * N, p.bias, N);
       if (L == 1) continue;
@@ -210,8 +219,7 @@ void DecoderTail::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     rms_rows(h, M, E, weight_row(in[2], wcopy), eps, n);
     float* g = buffer(gbuf, M * I);
     float* u = buffer(ubuf, M * I);
-    product(gate.weights, n, static_cast<int>(M), g);
-    product(up.weights, n, static_cast<int>(M), u);
+    products({{&gate.weights, g}, {&up.weights, u}}, n, static_cast<int>(M));
     silu_into(g, M * I, g);  // in place: each value is read before it is written
     for (long i = 0; i < M * I; i++) g[i] = g[i] * u[i];  // swiglu: silu(gate) * up
     float* d = buffer(dbuf, M * E);

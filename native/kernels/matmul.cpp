@@ -66,28 +66,39 @@ int task_rows(int N, int threads) {
   return per;
 }
 
-void small_product(const Weights& w, const float* x, int M, float* y) {
+// Products of one x with weights of one layout (format, K, group size): x is prepared once per
+// block of kMaxRows rows, and every output's rows are cut into tasks of one pool job, so a decode
+// step's q/k/v (or gate/up) wait on one barrier, not three, and the small ones run on every thread.
+void small_products(const std::vector<Output>& outs, const float* x, int M) {
   const Kernels& k = active_kernels();
   Pool& pool = Pool::instance();
+  const Weights& w = *outs[0].w;
   const int groups = is_affine(w.format) ? w.K / w.group_size : 0;
+  long bytes = 0, rows = 0;
+  for (const Output& o : outs) bytes += static_cast<long>(o.w->N) * o.w->row_bytes, rows += o.w->N;
+  const bool parallel = bytes >= kParallelMinBytes && pool.threads() > 1;
+  const int per = parallel ? task_rows(static_cast<int>(rows), pool.threads()) : static_cast<int>(rows);
+  std::vector<int> first{0};  // outs[i]'s tasks are [first[i], first[i + 1])
+  for (const Output& o : outs) first.push_back(first.back() + (o.w->N + per - 1) / per);
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> xscale, xsum;
   for (int m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int rows = std::min(kMaxRows, M - m0);
+    const int block = std::min(kMaxRows, M - m0);
     const float* xb = x + static_cast<long>(m0) * w.K;
-    Acts a{rows, w.K, groups, xb, nullptr, nullptr, nullptr};
+    Acts a{block, w.K, groups, xb, nullptr, nullptr, nullptr};
     if (groups) {
-      xq.resize(static_cast<size_t>(rows) * w.K);
-      xscale.resize(static_cast<size_t>(rows) * groups);
-      xsum.resize(static_cast<size_t>(rows) * groups);
-      k.prepare(w, xb, rows, xq.data(), xscale.data(), xsum.data());
+      xq.resize(static_cast<size_t>(block) * w.K);
+      xscale.resize(static_cast<size_t>(block) * groups);
+      xsum.resize(static_cast<size_t>(block) * groups);
+      k.prepare(w, xb, block, xq.data(), xscale.data(), xsum.data());
       a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
     }
-    float* yb = y + static_cast<long>(m0) * w.N;
-    const bool parallel = static_cast<long>(w.N) * w.row_bytes >= kParallelMinBytes && pool.threads() > 1;
-    const int per = parallel ? task_rows(w.N, pool.threads()) : w.N;
-    const int tasks = (w.N + per - 1) / per;
-    pool.run(tasks, [&](int t) { k.rows(w, a, yb, w.N, t * per, std::min(w.N, (t + 1) * per)); });
+    pool.run(first.back(), [&](int t) {
+      const size_t i = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1);
+      const Weights& wi = *outs[i].w;
+      const int n0 = (t - first[i]) * per;
+      k.rows(wi, a, outs[i].y + static_cast<long>(m0) * wi.N, wi.N, n0, std::min(wi.N, n0 + per));
+    });
   }
 }
 
@@ -150,14 +161,25 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
   return copy.data();
 }
 
-void product(const Weights& w, const float* x, int M, float* y) {
+void product(const Weights& w, const float* x, int M, float* y) { products({{&w, y}}, x, M); }
+
+void products(const std::vector<Output>& outs, const float* x, int M) {
+  if (outs.empty()) return;
   const Kernels& k = active_kernels();
-  if (M > kMaxRows && k.gemm && is_affine(w.format)) {
-    gemm_product(k, w, x, M, y);
+  const Weights& w = *outs[0].w;
+  const bool one_layout = std::all_of(outs.begin(), outs.end(), [&](const Output& o) {
+    return o.w->format == w.format && o.w->K == w.K && o.w->group_size == w.group_size;
+  });
+  if (M <= kMaxRows && one_layout) {
+    small_products(outs, x, M);
+  } else if (outs.size() > 1) {
+    for (const Output& o : outs) products({o}, x, M);
+  } else if (M > kMaxRows && k.gemm && is_affine(w.format)) {
+    gemm_product(k, w, x, M, outs[0].y);
   } else if (M > kMaxRows && sgemm) {
-    tiled_product(w, x, M, y);
+    tiled_product(w, x, M, outs[0].y);
   } else {
-    small_product(w, x, M, y);
+    small_products(outs, x, M);
   }
 }
 

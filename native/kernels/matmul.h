@@ -49,6 +49,13 @@ WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scale
 Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* scales, const mx::array* biases);
 // y[M, N] = x[M, K] @ W.T on the pool: the rows kernel up to kMaxRows rows, else sgemm tiles.
 void product(const Weights& w, const float* x, int M, float* y);
+// One product of x with each weight: y = x @ w.T into its y. Up to kMaxRows rows, weights of one
+// layout share one pool job (each output's bits are those of its own `product`).
+struct Output {
+  const Weights* w;
+  float* y;
+};
+void products(const std::vector<Output>& outs, const float* x, int M);
 // x as a row-major float buffer: its own data when it already is, else a strided copy into `copy`.
 const float* row_major(const mx::array& x, std::vector<float>& copy);
 
