@@ -93,12 +93,17 @@ void small_products(const std::vector<Output>& outs, const float* x, int M) {
       k.prepare(w, xb, block, xq.data(), xscale.data(), xsum.data());
       a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
     }
-    pool.run(first.back(), [&](int t) {
+    auto task = [&](int t) {
       const size_t i = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1);
       const Weights& wi = *outs[i].w;
       const int n0 = (t - first[i]) * per;
       k.rows(wi, a, outs[i].y + static_cast<long>(m0) * wi.N, wi.N, n0, std::min(wi.N, n0 + per));
-    });
+    };
+    if (parallel) {
+      pool.run(first.back(), task);
+    } else {  // one task per output, on this thread
+      for (int t = 0; t < first.back(); t++) task(t);
+    }
   }
 }
 
