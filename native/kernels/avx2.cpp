@@ -88,7 +88,6 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
   }
 }
 
-
 void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   const int K = w.K;
   const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;

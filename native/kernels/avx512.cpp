@@ -138,7 +138,6 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
   }
 }
 
-
 }  // namespace
 
 const Kernels* avx512_kernels() {

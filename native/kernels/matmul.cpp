@@ -69,17 +69,21 @@ int task_rows(int N, int threads) {
 // Products of one x with weights of one layout (format, K, group size): x is prepared once per
 // block of kMaxRows rows, and every output's rows are cut into tasks of one pool job, so a decode
 // step's q/k/v (or gate/up) wait on one barrier, not three, and the small ones run on every thread.
-void small_products(const std::vector<Output>& outs, const float* x, int M) {
+void small_products(const Output* outs, size_t count, const float* x, int M) {
   const Kernels& k = active_kernels();
   Pool& pool = Pool::instance();
   const Weights& w = *outs[0].w;
   const int groups = is_affine(w.format) ? w.K / w.group_size : 0;
   long bytes = 0, rows = 0;
-  for (const Output& o : outs) bytes += static_cast<long>(o.w->N) * o.w->row_bytes, rows += o.w->N;
+  for (size_t i = 0; i < count; i++) {
+    bytes += static_cast<long>(outs[i].w->N) * outs[i].w->row_bytes;
+    rows += outs[i].w->N;
+  }
   const bool parallel = bytes >= kParallelMinBytes && pool.threads() > 1;
   const int per = parallel ? task_rows(static_cast<int>(rows), pool.threads()) : static_cast<int>(rows);
-  std::vector<int> first{0};  // outs[i]'s tasks are [first[i], first[i + 1])
-  for (const Output& o : outs) first.push_back(first.back() + (o.w->N + per - 1) / per);
+  auto tasks_of = [per](const Output& o) { return (o.w->N + per - 1) / per; };
+  int tasks = 0;
+  for (size_t i = 0; i < count; i++) tasks += tasks_of(outs[i]);
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> xscale, xsum;
   for (int m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -94,15 +98,15 @@ void small_products(const std::vector<Output>& outs, const float* x, int M) {
       a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
     }
     auto task = [&](int t) {
-      const size_t i = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1);
+      size_t i = 0;  // the output task t falls in (a few outputs: a scan)
+      for (int n; t >= (n = tasks_of(outs[i])); i++) t -= n;
       const Weights& wi = *outs[i].w;
-      const int n0 = (t - first[i]) * per;
-      k.rows(wi, a, outs[i].y + static_cast<long>(m0) * wi.N, wi.N, n0, std::min(wi.N, n0 + per));
+      k.rows(wi, a, outs[i].y + static_cast<long>(m0) * wi.N, wi.N, t * per, std::min(wi.N, (t + 1) * per));
     };
     if (parallel) {
-      pool.run(first.back(), task);
+      pool.run(tasks, task);
     } else {  // one task per output, on this thread
-      for (int t = 0; t < first.back(); t++) task(t);
+      for (int t = 0; t < tasks; t++) task(t);
     }
   }
 }
@@ -166,25 +170,27 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
   return copy.data();
 }
 
-void product(const Weights& w, const float* x, int M, float* y) { products({{&w, y}}, x, M); }
+void product(const Weights& w, const float* x, int M, float* y) {
+  const Kernels& k = active_kernels();
+  if (M > kMaxRows && k.gemm && is_affine(w.format)) {
+    gemm_product(k, w, x, M, y);
+  } else if (M > kMaxRows && sgemm) {
+    tiled_product(w, x, M, y);
+  } else {
+    const Output out{&w, y};
+    small_products(&out, 1, x, M);
+  }
+}
 
 void products(const std::vector<Output>& outs, const float* x, int M) {
-  if (outs.empty()) return;
-  const Kernels& k = active_kernels();
-  const Weights& w = *outs[0].w;
-  const bool one_layout = std::all_of(outs.begin(), outs.end(), [&](const Output& o) {
-    return o.w->format == w.format && o.w->K == w.K && o.w->group_size == w.group_size;
-  });
-  if (M <= kMaxRows && one_layout) {
-    small_products(outs, x, M);
-  } else if (outs.size() > 1) {
-    for (const Output& o : outs) products({o}, x, M);
-  } else if (M > kMaxRows && k.gemm && is_affine(w.format)) {
-    gemm_product(k, w, x, M, outs[0].y);
-  } else if (M > kMaxRows && sgemm) {
-    tiled_product(w, x, M, outs[0].y);
+  const auto same_layout = [&](const Output& o) {
+    const Weights &a = *o.w, &b = *outs[0].w;
+    return a.format == b.format && a.K == b.K && a.group_size == b.group_size;
+  };
+  if (M <= kMaxRows && !outs.empty() && std::all_of(outs.begin(), outs.end(), same_layout)) {
+    small_products(outs.data(), outs.size(), x, M);
   } else {
-    small_products(outs, x, M);
+    for (const Output& o : outs) product(*o.w, x, M, o.y);
   }
 }
 

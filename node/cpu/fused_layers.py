@@ -48,8 +48,7 @@ def _projection(layer: Any) -> Projection:
     bias = layer.get("bias")
     if layer.bits == 16:
         return (layer["weight"], None, None, bias, 0, 16)
-    biases = None if layer.symmetric else layer["biases"]
-    return (layer["weight"], layer["scales"], biases, bias, layer.group_size, layer.bits)
+    return (layer["weight"], layer["scales"], layer._biases(), bias, layer.group_size, layer.bits)
 
 
 def _is_norm(module: Any) -> bool:

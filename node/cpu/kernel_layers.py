@@ -73,7 +73,8 @@ class _KernelLayer(nn.Module):
         self.freeze()
 
     def _biases(self) -> mx.array | None:
-        return None if self.symmetric else self.biases
+        # By item: `Module.__getattr__` is Python, and decode steps ask for this on every layer.
+        return None if self.symmetric else self["biases"]
 
     def _product(self, x: mx.array) -> mx.array:
         if self.bits == 16:
