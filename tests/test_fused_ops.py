@@ -136,7 +136,7 @@ def counting(kernels: ModuleType) -> tuple[ModuleType, Counter[str]]:
 
         return call
 
-    for name in (*OPS, "silu"):
+    for name in (*OPS, "silu", "logsumexp"):
         setattr(module, name, counted(name, getattr(kernels, name)))
     module.fused_kernel_name = kernels.fused_kernel_name  # type: ignore[attr-defined]
     return module, calls
@@ -164,8 +164,34 @@ def test_install_routes_and_falls_back() -> None:
     mx.fast.scaled_dot_product_attention(half_q, half_q, half_q, scale=0.25, mask="causal")
     nn.silu(big.astype(mx.float16))
     assert calls == Counter((*OPS, "silu"))
+    original_logsumexp = original_op("logsumexp")
+    assert close(mx.logsumexp(big, axis=-1, keepdims=True), original_logsumexp(big, axis=-1, keepdims=True))
+    assert close(mx.logsumexp(big, axis=[1]), original_logsumexp(big, axis=1))
+    assert calls["logsumexp"] == 2
+    # Not covered: other axes, all axes, 16-bit input.
+    for args in ((big, 0), (big, None), (big.astype(mx.float16), -1)):
+        assert close(mx.logsumexp(args[0], axis=args[1]), original_logsumexp(args[0], axis=args[1]))
+    assert calls["logsumexp"] == 2
     uninstall_fused_ops()
     assert [getattr(mx.fast, name) for name in OPS] == originals and nn.silu is original_silu
+    assert mx.logsumexp is original_logsumexp
+
+
+def test_logsumexp_matches_mlx_with_infinities_and_nan() -> None:
+    assert KERNELS is not None
+    inf, nan = float("inf"), float("nan")
+    for shape in ((49152,), (3, 1, 1000), (7, 13), (1, 5)):  # a vocabulary, batches, tails of < 8
+        x = mx.random.normal(shape) * 8
+        for keepdims in (False, True):
+            assert close(KERNELS.logsumexp(x, keepdims=keepdims), mx.logsumexp(x, axis=-1, keepdims=keepdims))
+    rows = [[-inf] * 9, [1.0, inf, 2.0] * 3, [1.0, nan, 3.0] * 3, [-inf, 0.0, 1.0] * 3]
+    rows += [[88.0] * 9, [1e30, -1e30] * 5]  # exp would overflow without the max taken out
+    for row in rows:
+        got = KERNELS.logsumexp(mx.array([row]), keepdims=False).item()
+        want = mx.logsumexp(mx.array([row]), axis=-1).item()
+        assert got == want or (got != got and want != want), (row, got, want)  # NaN == NaN here
+    with pytest.raises(ValueError, match="non-empty last axis"):
+        KERNELS.logsumexp(mx.zeros((2, 0)), keepdims=False)
 
 
 def greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], mx.array]:

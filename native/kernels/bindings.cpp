@@ -34,6 +34,8 @@ NB_MODULE(_kernels, m) {
         "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
         "mx.fast.scaled_dot_product_attention on the CPU, rows split over the pool; float32 out.");
   m.def("silu", &shoal::silu, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "nn.silu on the CPU in one pass.");
+  m.def("logsumexp", &shoal::logsumexp, "x"_a, nb::kw_only(), "keepdims"_a, "stream"_a = nb::none(),
+        "mx.logsumexp over the last axis on the CPU in one pass; float32 out.");
   // A decoder layer in two operations (node/cpu/fused_layers.py). A projection is the tuple
   // (weight, scales, biases, bias, group_size, bits), absent parts None.
   m.def("decoder_head", &shoal::decoder_head, "x"_a, "norm_weight"_a, "eps"_a, "projections"_a, "heads"_a,

@@ -65,7 +65,7 @@ void portable_softmax(float* x, int n, float sink) {
 
 const FusedKernels& portable_fused() {
   static const FusedKernels kernels{"portable", portable_qk, portable_pv, portable_sumsq, portable_softmax,
-                                    portable_silu};
+                                    portable_silu, portable_logsumexp};
   return kernels;
 }
 

@@ -29,9 +29,12 @@ struct FusedKernels {
   void (*softmax)(float* x, int n, float sink);
   // out[i] = x[i] * sigmoid(x[i]) for i < n (activation.cpp).
   void (*silu)(const float* x, long n, float* out);
+  // log(sum of exp(x[i])) for i < n, with its max subtracted first; +-inf or NaN as MLX gives them.
+  float (*logsumexp)(const float* x, long n);
 };
 
 void portable_silu(const float* x, long n, float* out);
+float portable_logsumexp(const float* x, long n);
 
 const FusedKernels& portable_fused();
 // The AVX2+FMA loops, or nullptr when this build has none.
@@ -132,6 +135,24 @@ class FusedSiLU : public mx::Primitive {
 
 // nn.silu: x * sigmoid(x), elementwise, float32 out.
 mx::array silu(const mx::array& x, mx::StreamOrDevice s = {});
+
+class FusedLogSumExp : public mx::Primitive {
+ public:
+  FusedLogSumExp(mx::Stream stream, bool keepdims) : mx::Primitive(stream), keepdims_(keepdims) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override { no_gpu(name()); }
+  const char* name() const override { return "ShoalLogSumExp"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return keepdims_ == static_cast<const FusedLogSumExp&>(other).keepdims_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  bool keepdims_;
+};
+
+// mx.logsumexp(x, axis=-1, keepdims) of float32 x (ndim >= 1, last axis not empty): float32 out.
+mx::array logsumexp(const mx::array& x, bool keepdims, mx::StreamOrDevice s = {});
 
 // mx.fast.rms_norm: x * rsqrt(mean(x^2, -1) + eps) * weight, weight [D] or absent.
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps,

@@ -18,8 +18,10 @@ offsets; attention with float32 q/k/v, any number of queries (decode and prefill
 streams keys per block of queries, never materialising the scores; at 512 prompt tokens it ran
 in 21 ms where the fallback took 170-775 ms), mask None, "causal", a bool or float32 array,
 sinks or none; `nn.silu` of float32 arrays (MLX's CPU sigmoid is scalar: 113 ms
-for a prefill MLP's 512 x 8192 gate, 1.9 ms here). Everything else (16-bit activations, an
-explicit stream) is MLX's own.
+for a prefill MLP's 512 x 8192 gate, 1.9 ms here); `mx.logsumexp` of float32 over the last axis
+(mlx-lm's generators normalize every decode step's logits with it: 690 us over a 49k vocabulary
+in MLX, whose exp is scalar too, 32 us here). Everything else (16-bit activations, an explicit
+stream, other axes) is MLX's own.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 """Norm weights of these types are cast to float32, as MLX does for float32 activations."""
 _CPU = mx.Device(mx.DeviceType.cpu)
 _NAMES = ("rms_norm", "rope", "scaled_dot_product_attention")
+_OWNERS: dict[str, Any] = {"silu": nn, "logsumexp": mx}
+"""Where each replaced function lives: `mx.fast` unless named here."""
 _originals: dict[str, Callable[..., Any]] = {}
 _description = ""
 
@@ -160,6 +164,27 @@ def _make_silu(kernels: ModuleType, original: Callable[..., Any]) -> Callable[..
     return silu
 
 
+def _make_logsumexp(kernels: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    native = kernels.logsumexp
+
+    def logsumexp(a: mx.array, axis: Any = None, keepdims: bool = False, *, stream: Any = None) -> mx.array:
+        if isinstance(axis, (list, tuple)) and len(axis) == 1:
+            axis = axis[0]
+        if (
+            _on_cpu(stream)
+            and isinstance(a, mx.array)
+            and a.dtype == mx.float32
+            and a.ndim >= 1
+            and a.shape[-1] > 0
+            and isinstance(axis, int)
+            and axis in (-1, a.ndim - 1)
+        ):
+            return native(a, keepdims=keepdims)
+        return original(a, axis=axis, keepdims=keepdims, stream=stream)
+
+    return logsumexp
+
+
 def install_fused_ops(kernels: ModuleType) -> str:
     """Route `mx.fast`'s three CPU fallbacks to `kernels` in this process; returns a log phrase.
 
@@ -176,11 +201,13 @@ def install_fused_ops(kernels: ModuleType) -> str:
         original = getattr(mx.fast, name)
         _originals[name] = original
         setattr(mx.fast, name, makers[name](kernels, original))
-    if hasattr(kernels, "silu"):  # mlx-lm's swiglu looks nn.silu up when it is traced
-        _originals["silu"] = nn.silu
-        nn.silu = _make_silu(kernels, nn.silu)
+    # mlx-lm's swiglu looks nn.silu up when it is traced, its generators mx.logsumexp at each step.
+    for name, maker in (("silu", _make_silu), ("logsumexp", _make_logsumexp)):
+        if hasattr(kernels, name):
+            _originals[name] = getattr(_OWNERS[name], name)
+            setattr(_OWNERS[name], name, maker(kernels, _originals[name]))
     loops = kernels.fused_kernel_name() if hasattr(kernels, "fused_kernel_name") else "native"
-    _description = f"fused rms_norm/rope/attention/silu on the CPU ({loops} loops)"
+    _description = f"fused rms_norm/rope/attention/silu/logsumexp on the CPU ({loops} loops)"
     return _description
 
 
@@ -188,11 +215,12 @@ def uninstall_fused_ops() -> None:
     """Put MLX's own functions back (tests; a runner never needs it)."""
     global _description
     for name, original in _originals.items():
-        setattr(nn if name == "silu" else mx.fast, name, original)
+        setattr(_OWNERS.get(name, mx.fast), name, original)
     _originals.clear()
     _description = ""
 
 
 def original_op(name: str) -> Callable[..., Any]:
-    """MLX's own `mx.fast.<name>`, installed or not (the reference in tests and benchmarks)."""
-    return _originals.get(name) or getattr(nn if name == "silu" else mx.fast, name)
+    """MLX's own `mx.fast.<name>` (or `nn.silu`, `mx.logsumexp`), installed or not (the reference
+    in tests and benchmarks)."""
+    return _originals.get(name) or getattr(_OWNERS.get(name, mx.fast), name)
