@@ -109,11 +109,16 @@ def test_bad_arguments_are_clear_errors() -> None:
         k.weight_matmul(mx.zeros((1, 64)), mx.zeros((16, 64)))
 
 
-NARROWER = {"avx512": ("avx2", "portable"), "avx2": ("portable",), "portable": ()}
+NARROWER = {
+    "avx512vbmi": ("avx512", "avx2", "portable"),
+    "avx512": ("avx2", "portable"),
+    "avx2": ("portable",),
+    "portable": (),
+}
 """The instruction sets below each one: the CPU has them too, and SHOAL_KERNEL_ISA selects them."""
 
 
-@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
     """This process runs the widest kernels the CPU has; a child runs this file's product tests
     with SHOAL_KERNEL_ISA capping them, so every kernel set the machine can run is checked."""
@@ -138,6 +143,38 @@ def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
         timeout=600,
     )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+
+
+_PRODUCTS = """
+import sys
+import mlx.core as mx
+from node.native import load_kernels
+k = load_kernels().module
+mx.random.seed(7)
+out = {}
+for n, kk, group in ((70, 256, 32), (40, 384, 32), (64, 2048, 64), (33, 96, 32)):  # steps, odd steps, tails
+    wq, s, b = mx.quantize(mx.random.normal((n, kk)) * 0.05, group_size=group, bits=4)
+    for m in (1, 2, 5):
+        out[f"{n}-{kk}-{m}"] = k.weight_matmul(mx.random.normal((m, kk)), wq, s, b, group_size=group, bits=4)
+mx.savez(sys.argv[1], **out)
+"""
+
+
+def test_vbmi_kernels_give_the_bits_of_the_plain_avx512_ones(tmp_path: Path) -> None:
+    """avx512vbmi takes 4-bit weights apart another way; the values, and so every bit, are the same."""
+    if _kernels().kernel_name() != "avx512vbmi":
+        pytest.skip(f"the CPU's widest kernels are {_kernels().kernel_name()}")
+    results = {}
+    for isa in ("avx512vbmi", "avx512"):
+        path = tmp_path / f"{isa}.npz"
+        env = {**os.environ, "SHOAL_KERNEL_ISA": isa}
+        argv = [sys.executable, "-c", _PRODUCTS, str(path)]
+        done = subprocess.run(argv, env=env, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        results[isa] = cast(dict[str, mx.array], mx.load(str(path)))
+    assert results["avx512vbmi"].keys() == results["avx512"].keys()
+    for key, got in results["avx512vbmi"].items():
+        assert mx.array_equal(got, results["avx512"][key]).item(), key
 
 
 _CHECK = """

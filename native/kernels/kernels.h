@@ -68,6 +68,8 @@ const Kernels& portable_kernels();
 const Kernels* avx2_kernels();
 // The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none.
 const Kernels* avx512_kernels();
+// The same built with VBMI (avx512.cpp says what for), or nullptr.
+const Kernels* avx512vbmi_kernels();
 // Their `gemm` (gemm_avx512.cpp), or nullptr.
 RowsFn avx512_gemm_kernel();
 

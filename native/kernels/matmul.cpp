@@ -231,8 +231,8 @@ Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* 
 
 const Kernels& active_kernels() {
   static const Kernels* chosen = [] {
-    // SHOAL_KERNEL_ISA=portable or avx2 caps the instruction set (to compare them, or to rule one
-    // out); otherwise the widest this CPU has.
+    // SHOAL_KERNEL_ISA=portable, avx2 or avx512 caps the instruction set (to compare them, or to
+    // rule one out); otherwise the widest this CPU has.
     const char* cap = std::getenv("SHOAL_KERNEL_ISA");
     const std::string isa = cap ? cap : "";
 #if defined(__x86_64__)
@@ -241,6 +241,8 @@ const Kernels& active_kernels() {
     const bool avx512 = avx2 && avx512_kernels() && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512vnni");
+    const bool vbmi = avx512 && avx512vbmi_kernels() && __builtin_cpu_supports("avx512vbmi");
+    if (vbmi && isa != "portable" && isa != "avx2" && isa != "avx512") return avx512vbmi_kernels();
     if (avx512 && isa != "portable" && isa != "avx2") return avx512_kernels();
     if (avx2 && isa != "portable") return avx2_kernels();
 #endif

@@ -63,7 +63,7 @@ const float* row_major(const mx::array& x, std::vector<float>& copy);
 // Returns an empty string on success, else why not (the prefill path then uses `rows`).
 std::string set_blas_library(const std::string& path);
 
-// The kernel set in use ("avx2" or "portable"); SHOAL_KERNEL_ISA=portable forces the portable one.
+// The kernel set in use ("avx512vbmi", "avx512", "avx2" or "portable"); SHOAL_KERNEL_ISA caps it.
 const Kernels& active_kernels();
 bool has_blas();
 int pool_threads();

@@ -76,6 +76,6 @@ def load_kernels() -> KernelLoad:
     blas = openblas_path()
     problem = "scipy-openblas32 is not installed" if blas is None else module.set_blas_library(str(blas))
     prefill = "OpenBLAS sgemm for prefill" if not problem else f"no sgemm for prefill ({problem})"
-    if module.kernel_name() == "avx512":  # its own prefill product for quantized weights
+    if module.kernel_name().startswith("avx512"):  # its own prefill product for quantized weights
         prefill += " of 16-bit weights, VNNI for quantized ones"
     return KernelLoad(module, f"{module.kernel_name()} kernels, {module.threads()} thread(s), {prefill}")
