@@ -110,18 +110,25 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-void softmax(float* x, int n, float sink) {
-  int i = 0;
-  __m256 top8 = _mm256_set1_ps(sink);
+// The largest of `from` and x[0 .. n) (a NaN in x may be missed).
+float row_max(const float* x, long n, float from) {
+  long i = 0;
+  __m256 top8 = _mm256_set1_ps(from);
   for (; i + 8 <= n; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(x + i));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top8);
   float top = lanes[0];
   for (int j = 1; j < 8; j++) top = std::max(top, lanes[j]);
   for (; i < n; i++) top = std::max(top, x[i]);
+  return top;
+}
+
+void softmax(float* x, int n, float sink) {
+  const float top = row_max(x, n, sink);
   const __m256 t8 = _mm256_set1_ps(top);
   __m256 sum8 = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), t8));
     _mm256_storeu_ps(x + i, e);
     sum8 = _mm256_add_ps(sum8, e);
@@ -152,25 +159,19 @@ void silu(const float* x, long n, float* out) {
 // logsumexp is scalar: ~600 us over a 49k vocabulary). Rows with a NaN or an infinite max go to
 // the portable loop, which gives MLX's answers for them.
 float logsumexp(const float* x, long n) {
-  __m256 top8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+  const float top = row_max(x, n, -INFINITY);
+  if (!std::isfinite(top)) return portable_logsumexp(x, n);
+  const __m256 t8 = _mm256_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
   long i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    top8 = _mm256_max_ps(top8, v);
     nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    sum8 = _mm256_add_ps(sum8, exp_nonpositive(_mm256_sub_ps(v, t8)));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top8);
-  float top = lanes[0];
-  for (int j = 1; j < 8; j++) top = std::max(top, lanes[j]);
-  for (long j = i; j < n; j++) top = std::max(top, x[j]);
-  if (!_mm256_testz_ps(nan8, nan8) || !std::isfinite(top)) return portable_logsumexp(x, n);
-  const __m256 t8 = _mm256_set1_ps(top);
-  __m256 sum8 = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8)
-    sum8 = _mm256_add_ps(sum8, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), t8)));
   float sum = hsum(sum8);
   for (; i < n; i++) sum += std::exp(x[i] - top);
+  if (!_mm256_testz_ps(nan8, nan8) || std::isnan(sum)) return portable_logsumexp(x, n);
   return top + std::log(sum);
 }
 
