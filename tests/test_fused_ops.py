@@ -16,6 +16,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models.base import create_causal_mask
 
 from node.cpu.fused import install_fused_ops, original_op, uninstall_fused_ops
 from node.native import load_kernels
@@ -120,6 +121,30 @@ def test_sdpa_masks_sinks_batches(kind: str) -> None:
     elif kind == "additive":
         mask = mx.random.normal((hq, L, S))
     args: dict[str, Any] = {"scale": 0.2, "mask": mask, "sinks": sinks}
+    want = original_op("scaled_dot_product_attention")(q, k, v, **args)
+    assert close(native("scaled_dot_product_attention")(q, k, v, **args), want)
+
+
+@pytest.mark.parametrize("shape", ["left_padding", "right_padding", "window", "empty_row", "additive"])
+def test_sdpa_array_masks_as_batched_caches_make_them(shape: str) -> None:
+    """mlx-lm's batched caches pass causal masks as arrays; the kernel stops at each chunk's last
+    unmasked key, which must give what attending over every key gives."""
+    B, hq, hkv, L, offset, D = 2, 8, 2, 70, 10, 32
+    q = mx.random.normal((B, hq, L, D))
+    k, v = mx.random.normal((B, hkv, offset + L, D)), mx.random.normal((B, hkv, offset + L, D))
+    pads = mx.array([0, 23])
+    mask = create_causal_mask(
+        L,
+        offset,
+        window_size=16 if shape == "window" else None,
+        left_padding=pads if shape in ("left_padding", "empty_row") else None,
+        right_padding=pads if shape == "right_padding" else None,
+    )
+    if shape == "empty_row":  # a row that lets no key through averages every value, as in MLX
+        mask = mask & (mx.arange(L) != 5)[:, None]
+    if shape == "additive":
+        mask = mx.where(mask, mx.random.normal(mask.shape), -mx.inf)
+    args: dict[str, Any] = {"scale": 0.2, "mask": mask}
     want = original_op("scaled_dot_product_attention")(q, k, v, **args)
     assert close(native("scaled_dot_product_attention")(q, k, v, **args), want)
 

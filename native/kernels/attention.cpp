@@ -17,6 +17,30 @@ using namespace fused_detail;
 
 namespace {
 constexpr int kMaxChunkRows = 32;  // query rows per attention task: scores stay 32 x S floats
+
+// Keys past the last one a row's array mask lets through add exact zeros (exp(-inf)): how many
+// keys query rows [r0, r0 + R) of kv head hk need. mlx-lm's batched caches pass causal masks as
+// arrays, so this is what spares their prefill the upper triangle. S if a row lets no key through
+// (as in MLX, such a row averages all S values under a boolean mask, and is NaN under an additive one).
+int mask_reach(const Attention& a, int b, int hk, int r0, int R) {
+  const int G = a.Hq / a.Hkv;
+  const long step = a.ms[3];
+  int reach = 0;
+  for (int r = 0; r < R; r++) {
+    const long at = b * a.ms[0] + (hk * G + (r0 + r) / a.L) * a.ms[1] + (r0 + r) % a.L * a.ms[2];
+    int j = a.S;
+    if (a.kind == MaskKind::Boolean) {
+      const bool* m = static_cast<const bool*>(a.mask) + at;
+      while (j > 0 && !m[(j - 1) * step]) j--;
+    } else {
+      const float* m = static_cast<const float*>(a.mask) + at;
+      while (j > 0 && m[(j - 1) * step] == -std::numeric_limits<float>::infinity()) j--;
+    }
+    if (j == 0) return a.S;
+    reach = std::max(reach, j);
+  }
+  return reach;
+}
 }  // namespace
 
 void fused_detail::attend(const Attention& a) {
@@ -43,7 +67,8 @@ void fused_detail::attend(const Attention& a) {
     const int R = std::min(chunk, per_head - r0);
     thread_local std::vector<float> qbuf, scores, obuf;
     qbuf.resize(static_cast<size_t>(R) * D);
-    int limit = kind == MaskKind::Causal ? 0 : S;  // keys past every row's causal limit: never read
+    // keys past every row's causal limit, or its mask's reach: never read
+    int limit = kind == MaskKind::Causal ? 0 : array_mask ? mask_reach(a, b, hk, r0, R) : S;
     for (int r = 0; r < R; r++) {
       const int g = (r0 + r) / L, l = (r0 + r) % L;
       std::memcpy(qbuf.data() + static_cast<long>(r) * D, a.q + ((static_cast<long>(b) * Hq + hk * G + g) * L + l) * D,
@@ -61,9 +86,10 @@ void fused_detail::attend(const Attention& a) {
       for (int j = last; j < limit; j++) sc[j] = kNegInf;
       if (array_mask) {
         const long at = b * a.ms[0] + h * a.ms[1] + l * a.ms[2], step = a.ms[3];
-        if (kind == MaskKind::Boolean) {
+        if (kind == MaskKind::Boolean) {  // as MLX: the lowest float, so a row with no key averages all
+          constexpr float kLowest = std::numeric_limits<float>::lowest();
           const bool* mb = static_cast<const bool*>(a.mask) + at;
-          for (int j = 0; j < limit; j++) sc[j] = mb[j * step] ? sc[j] : kNegInf;
+          for (int j = 0; j < limit; j++) sc[j] = mb[j * step] ? sc[j] : kLowest;
         } else {
           const float* mf = static_cast<const float*>(a.mask) + at;
           for (int j = 0; j < limit; j++) sc[j] += mf[j * step];
