@@ -48,8 +48,9 @@ def _affine(n: int, k: int, bits: int, group: int, scale_dtype: mx.Dtype) -> tup
 def test_affine_products_match_dequantize_then_matmul(bits: int, group: int, scale_dtype: mx.Dtype) -> None:
     mx.random.seed(bits * group)
     # Not multiples of any tile or of 256: 3 * 32 and 7 * 32 end in a pair and a lone chunk of 32
-    # after whole 64-byte steps (4-bit), 7 * 128 is an odd number of steps.
-    for n, k in ((1, 3 * group), (17, 3 * group), (203, 3 * group), (40, 7 * group)):
+    # after whole 64-byte steps (4-bit), 7 * 128 is an odd number of steps; 18 groups are two
+    # blocks of 8 in the row's prologue and its last 8 again (SmolLM2's K = 576 at group 32).
+    for n, k in ((1, 3 * group), (17, 3 * group), (203, 3 * group), (40, 7 * group), (33, 18 * group)):
         wq, scales, biases = _affine(n, k, bits, group, scale_dtype)
         dense = mx.dequantize(
             wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
