@@ -244,3 +244,30 @@ def test_missing_or_mismatched_build_falls_back_with_a_reason(
         assert other.module is None and "built for MLX 0.0.1, not " in other.reason
     finally:
         load_kernels.cache_clear()
+
+
+_IDLE = """
+import resource, time, mlx.core as mx
+from node.native import load_kernels
+k = load_kernels().module
+wq, s, b = mx.quantize(mx.random.normal((4096, 1024)) * 0.05, group_size=32, bits=4)
+x = mx.random.normal((1, 1024))
+for _ in range(20):
+    mx.eval(k.weight_matmul(x, wq, s, b, group_size=32, bits=4))  # a large product: the pool's job
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+time.sleep(0.2)  # past the workers' spin time: they sleep
+before = cpu()
+time.sleep(1.0)
+print(cpu() - before)
+"""
+
+
+def test_pool_workers_sleep_when_there_is_no_work() -> None:
+    """Workers spin a little between a decode step's jobs, then sleep: an idle runner burns no core."""
+    if _kernels().threads() < 2:
+        pytest.skip("one kernel thread: no workers")
+    done = subprocess.run([sys.executable, "-c", _IDLE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 0.05  # CPU seconds over one idle second

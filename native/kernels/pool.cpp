@@ -17,10 +17,13 @@ namespace shoal {
 namespace {
 constexpr int kPauseSpins = 100;  // 1-15 us of pure spinning (a pause is 10-140 cycles) before yielding
 constexpr unsigned kClosed = 0x7fffffffu;  // a task index above any job's
-// Then sleep until the next job: longer than the gaps between a decode step's jobs (MLX schedules
-// the next operation in ~5 us), shorter than the runner's Python work between steps, which needs
-// this core (2 ms here cost SmolLM2 decode through the API ~4%: 82-83 tok/s against 87).
-constexpr auto kSpinTime = std::chrono::microseconds(30);
+// Then sleep until the next job: longer than the gaps between a decode step's jobs, as a sleeping
+// worker takes tens of microseconds to wake, and the caller meanwhile runs the job alone. Past
+// the pause spins a worker yields its core, so the runner's Python work between steps still gets
+// it. Measured 2026-12-04 (Xeon, 2 cores, SmolLM2 through the API, alternating builds): 30 us gave
+// 136-141 tok/s, 300 us 138-143, 1 ms 138-148, 2 ms 148-160, 10 ms 147-152; 1B Q4_0 the same at
+// 30 us and 2 ms (30-32). (An earlier host measured 2 ms ~4% slower than 30 us; re-measure there.)
+constexpr auto kSpinTime = std::chrono::microseconds(2000);
 
 int env_threads() {
   for (const char* name : {"SHOAL_KERNEL_THREADS", "SHOAL_BLAS_THREADS"}) {
