@@ -22,12 +22,15 @@ constexpr int kMaxChunkRows = 32;  // query rows per attention task: scores stay
 // keys query rows [r0, r0 + R) of kv head hk need. mlx-lm's batched caches pass causal masks as
 // arrays, so this is what spares their prefill the upper triangle. S if a row lets no key through
 // (as in MLX, such a row averages all S values under a boolean mask, and is NaN under an additive one).
+// Where the mask's row for batch b, query head h, position l starts (its keys are ms[3] apart).
+long mask_row(const Attention& a, int b, int h, int l) { return b * a.ms[0] + h * a.ms[1] + l * a.ms[2]; }
+
 int mask_reach(const Attention& a, int b, int hk, int r0, int R) {
   const int G = a.Hq / a.Hkv;
   const long step = a.ms[3];
   int reach = 0;
   for (int r = 0; r < R; r++) {
-    const long at = b * a.ms[0] + (hk * G + (r0 + r) / a.L) * a.ms[1] + (r0 + r) % a.L * a.ms[2];
+    const long at = mask_row(a, b, hk * G + (r0 + r) / a.L, (r0 + r) % a.L);
     int j = a.S;
     if (a.kind == MaskKind::Boolean) {
       const bool* m = static_cast<const bool*>(a.mask) + at;
@@ -85,7 +88,7 @@ void fused_detail::attend(const Attention& a) {
       constexpr float kNegInf = -std::numeric_limits<float>::infinity();
       for (int j = last; j < limit; j++) sc[j] = kNegInf;
       if (array_mask) {
-        const long at = b * a.ms[0] + h * a.ms[1] + l * a.ms[2], step = a.ms[3];
+        const long at = mask_row(a, b, h, l), step = a.ms[3];
         if (kind == MaskKind::Boolean) {  // as MLX: the lowest float, so a row with no key averages all
           constexpr float kLowest = std::numeric_limits<float>::lowest();
           const bool* mb = static_cast<const bool*>(a.mask) + at;

@@ -21,8 +21,8 @@ constexpr unsigned kClosed = 0x7fffffffu;  // a task index above any job's
 // worker takes tens of microseconds to wake, and the caller meanwhile runs the job alone. Past
 // the pause spins a worker yields its core, so the runner's Python work between steps still gets
 // it. Measured 2026-12-04 (Xeon, 2 cores, SmolLM2 through the API, alternating builds): 30 us gave
-// 136-141 tok/s, 300 us 138-143, 1 ms 138-148, 2 ms 148-160, 10 ms 147-152; 1B Q4_0 the same at
-// 30 us and 2 ms (30-32). (An earlier host measured 2 ms ~4% slower than 30 us; re-measure there.)
+// 136-141 tok/s, 300 us 138-143, 1 ms 138-148, 2 ms 140-160 (median 153), 10 ms 147-152; 1B Q4_0
+// the same at 30 us and 2 ms (30-32). (An earlier host measured 2 ms ~4% slower than 30 us.)
 constexpr auto kSpinTime = std::chrono::microseconds(2000);
 
 int env_threads() {
