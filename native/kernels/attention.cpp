@@ -224,6 +224,35 @@ std::vector<mx::Shape> FusedSDPA::output_shapes(const std::vector<mx::array>& in
 
 // ---- a decode step's attention on the KV cache ----
 
+void fused_detail::decode_step(const DecodeStep& s) {
+  const auto& p = s.p;
+  const int B = s.B, Hq = s.Hq, Hkv = s.Hkv, D = s.D, Dv = s.Dv;
+  const std::vector<float> inv = rope_inverse_frequencies(p.dims, p.base, s.freqs, s.freq_stride);
+  std::vector<float> angles(static_cast<size_t>(p.dims)), qr(static_cast<size_t>(B) * Hq * D);
+  for (int b = 0; b < B; b++) {  // as FusedRoPE: position (0 + offset) * scale
+    rope_angles(inv, static_cast<float>(s.offsets[b * s.offset_stride]) * p.rope_scale, angles.data());
+    for (int h = 0; h < Hq; h++) {
+      const long row = static_cast<long>(b) * Hq + h;
+      rope_row(s.q + row * D, D, p.dims, p.traditional, angles.data(), qr.data() + row * D);
+    }
+    for (int h = 0; h < Hkv; h++) {
+      const long row = static_cast<long>(b) * Hkv + h;
+      rope_row(s.k + row * D, D, p.dims, p.traditional, angles.data(),
+               s.kc + b * s.kst[0] + h * s.kst[1] + p.index * s.kst[2]);
+      std::memcpy(s.vc + b * s.vst[0] + h * s.vst[1] + p.index * s.vst[2], s.v + row * Dv, 4 * Dv);
+    }
+  }
+  Attention a{qr.data(), B, Hq, 1, D, s.kc, {s.kst[0], s.kst[1], s.kst[2]}, s.vc, {s.vst[0], s.vst[1], s.vst[2]},
+              Hkv, p.index + 1, Dv, p.scale, p.mask, nullptr, {}, nullptr, 0, s.out};
+  if (p.mask != MaskKind::None) {
+    const mx::array& m = *s.mask;
+    a.mask = p.mask == MaskKind::Boolean ? static_cast<const void*>(m.data<bool>()) : m.data<float>();
+    mask_strides(m, a.ms);
+  }
+  attend(a);
+}
+
+
 std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                                         const mx::array& keys, const mx::array& values, int index, int dims,
                                         bool traditional, std::optional<float> base, float rope_scale,
@@ -281,8 +310,6 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   }
   dispatch(stream(), inputs, outputs, [in = weak(inputs), out = weak(outputs), copied, p = p_]() mutable {
     const mx::array &q = in[0], &off = in[5];
-    const int B = q.shape(0), Hq = q.shape(1), D = q.shape(3), Hkv = in[1].shape(1), Dv = in[2].shape(3);
-    std::vector<float> buffer;
     for (int i : {0, 1}) {  // a cache that was not donated is copied first (MLX's slice update does the same)
       if (copied[i]) {
         std::vector<float> dense_copy;
@@ -290,35 +317,15 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
         std::memcpy(out[1 + i].data<float>(), src, out[1 + i].nbytes());
       }
     }
-    const float* freqs = p.freqs ? in[6].data<float>() : nullptr;
-    const std::vector<float> inv = rope_inverse_frequencies(p.dims, p.base, freqs, p.freqs ? in[6].strides()[0] : 0);
-    std::vector<float> angles(static_cast<size_t>(p.dims)), qr(static_cast<size_t>(B) * Hq * D);
-    float* kc = out[1].data<float>();
-    float* vc = out[2].data<float>();
-    const long kst[3] = {out[1].strides()[0], out[1].strides()[1], out[1].strides()[2]};
-    const long vst[3] = {out[2].strides()[0], out[2].strides()[1], out[2].strides()[2]};
-    for (int b = 0; b < B; b++) {  // as FusedRoPE: position (0 + offset) * scale
-      const int o = off.data<int32_t>()[off.size() == 1 ? 0 : b * off.strides()[0]];
-      rope_angles(inv, static_cast<float>(o) * p.rope_scale, angles.data());
-      for (int h = 0; h < Hq; h++) {
-        const long row = static_cast<long>(b) * Hq + h;
-        rope_row(row_of(q, row, buffer), D, p.dims, p.traditional, angles.data(), qr.data() + row * D);
-      }
-      for (int h = 0; h < Hkv; h++) {
-        const long row = static_cast<long>(b) * Hkv + h;
-        rope_row(row_of(in[1], row, buffer), D, p.dims, p.traditional, angles.data(),
-                 kc + b * kst[0] + h * kst[1] + p.index * kst[2]);
-        std::memcpy(vc + b * vst[0] + h * vst[1] + p.index * vst[2], row_of(in[2], row, buffer), 4 * Dv);
-      }
-    }
-    Attention a{qr.data(), B, Hq, 1, D, kc, {kst[0], kst[1], kst[2]}, vc, {vst[0], vst[1], vst[2]}, Hkv,
-                p.index + 1, Dv, p.scale, p.mask, nullptr, {}, nullptr, 0, out[0].data<float>()};
-    if (p.mask != MaskKind::None) {
-      const mx::array& m = in.back();
-      a.mask = p.mask == MaskKind::Boolean ? static_cast<const void*>(m.data<bool>()) : m.data<float>();
-      mask_strides(m, a.ms);
-    }
-    attend(a);
+    std::vector<float> qcopy, kcopy, vcopy;
+    DecodeStep step{p, q.shape(0), q.shape(1), in[1].shape(1), q.shape(3), in[2].shape(3), dense(q, qcopy),
+                    dense(in[1], kcopy), dense(in[2], vcopy), off.data<int32_t>(),
+                    off.size() == 1 ? 0 : static_cast<long>(off.strides()[0]), nullptr, 0,
+                    out[1].data<float>(), {}, out[2].data<float>(), {}, nullptr, out[0].data<float>()};
+    if (p.freqs) step.freqs = in[6].data<float>(), step.freq_stride = in[6].strides()[0];
+    for (int d = 0; d < 3; d++) step.kst[d] = out[1].strides()[d], step.vst[d] = out[2].strides()[d];
+    if (p.mask != MaskKind::None) step.mask = &in.back();
+    decode_step(step);
   });
 }
 

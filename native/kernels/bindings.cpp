@@ -10,6 +10,7 @@
 #include "fused.h"
 #include "layers.h"
 #include "matmul.h"
+#include "stack.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -48,5 +49,16 @@ NB_MODULE(_kernels, m) {
         "index"_a, "dims"_a, "traditional"_a, "base"_a.none(), "rope_scale"_a, "offset"_a, "scale"_a,
         "freqs"_a = nb::none(), "mask"_a = nb::none(), "stream"_a = nb::none(),
         "A decode step's rope, KV-cache write at `index` and attention: (out [B, 1, Hq * Dv], keys, values).");
+  // A decode step of the whole layer stack in one operation (node/cpu/fused_stack.py). A plan's layer
+  // is (norm, eps, q, k, v, q_norm, k_norm, qk_eps, o, post_norm, post_eps, gate, up, down).
+  nb::class_<shoal::StackPlan>(m, "StackPlan")
+      .def(nb::init<const std::vector<shoal::StackLayerArgs>&, int, int>(), "layers"_a, "q_heads"_a, "kv_heads"_a)
+      .def("__len__", &shoal::StackPlan::size);
+  m.def("decoder_stack", &shoal::decoder_stack, "x"_a, "plan"_a, "keys"_a, "values"_a, nb::kw_only(), "index"_a,
+        "dims"_a, "traditional"_a, "base"_a.none(), "rope_scale"_a, "offset"_a, "scale"_a, "freqs"_a = nb::none(),
+        "mask"_a = nb::none(), "stream"_a = nb::none(),
+        "x [B, 1, E] through every layer of the plan, each cache written in place at `index`; [B, 1, E].");
+  m.def("exclusive", &shoal::exclusive, "arrays"_a,
+        "Whether each array is evaluated, row-contiguous and the only holder of its buffer.");
   m.def("fused_kernel_name", [] { return std::string(shoal::active_fused().name); });
 }

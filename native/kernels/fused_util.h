@@ -126,4 +126,26 @@ struct Attention {
 };
 void attend(const Attention& a);
 
+// One decode step's attention on a KV cache (DecodeAttention's arithmetic, and the layer stack's):
+// q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] dense and not yet roped; k (roped) and v are
+// written at position p.index of the caches kc / vc (batch, head, position strides kst / vst),
+// then attention over positions 0 .. p.index into out [B, Hq * Dv]. Rope positions: offsets[b *
+// offset_stride] (stride 0: one for all). freqs when p.freqs; the mask when p.mask is an array kind.
+struct DecodeStep {
+  DecodeAttention::Params p;
+  int B, Hq, Hkv, D, Dv;
+  const float *q, *k, *v;
+  const int32_t* offsets;
+  long offset_stride;
+  const float* freqs;
+  long freq_stride;
+  float* kc;
+  long kst[3];
+  float* vc;
+  long vst[3];
+  const mx::array* mask;
+  float* out;
+};
+void decode_step(const DecodeStep& s);
+
 }  // namespace shoal::fused_detail

@@ -15,8 +15,8 @@
 namespace shoal {
 
 namespace {
-
 constexpr long kParallelMinWork = 1l << 17;  // values: below this one thread beats waking the pool
+}  // namespace
 
 ProjectionDesc describe(const Projection& p, int K, const char* what) {
   const auto& [w, scales, biases, bias, group_size, bits] = p;
@@ -37,12 +37,6 @@ void push(const Projection& p, std::vector<mx::array>& inputs, mx::StreamOrDevic
   if (biases) inputs.push_back(*biases);
   if (bias) inputs.push_back(mx::astype(*bias, mx::float32, s));
 }
-
-// A projection's evaluated arrays, read from `inputs` at `at` (advanced past them).
-struct Bound {
-  Weights weights;
-  const float* bias;
-};
 
 Bound bound_at(const ProjectionDesc& d, const std::vector<mx::array>& inputs, size_t& at) {
   const mx::array& w = inputs[at++];
@@ -71,6 +65,8 @@ void rms_rows(const float* x, long rows, int D, const float* w, float eps, float
   const long tasks = std::min<long>(rows, 4l * pool.threads()), per = (rows + tasks - 1) / tasks;
   pool.run(static_cast<int>((rows + per - 1) / per), [&](int t) { body(t * per, std::min(rows, (t + 1) * per)); });
 }
+
+namespace {
 
 void add_into(float* y, const float* a, const float* b, long n) {  // y = a + b, as MLX's add
   for (long i = 0; i < n; i++) y[i] = a[i] + b[i];
@@ -107,12 +103,6 @@ void release_large(V&... buffers) {
   ((buffers.capacity() > kKeptFloats ? V().swap(buffers) : void()), ...);
 }
 
-const float* weight_row(const mx::array& w, std::vector<float>& copy) {
-  copy.resize(w.shape(0));
-  for (int j = 0; j < w.shape(0); j++) copy[j] = w.data<float>()[j * w.strides()[0]];
-  return copy.data();
-}
-
 void check_norm(const mx::array& x, const mx::array& weight) {
   if (x.ndim() != 3) throw std::invalid_argument("[shoal decoder] x must be [B, L, E]");
   if (weight.ndim() != 1 || weight.shape(0) != x.shape(2))
@@ -120,6 +110,48 @@ void check_norm(const mx::array& x, const mx::array& weight) {
 }
 
 }  // namespace
+
+const float* weight_row(const mx::array& w, std::vector<float>& copy) {
+  copy.resize(w.shape(0));
+  for (int j = 0; j < w.shape(0); j++) copy[j] = w.data<float>()[j * w.strides()[0]];
+  return copy.data();
+}
+
+void head_rows(const float* x, long M, int E, const float* norm_w, float eps, const std::vector<Bound>& bound,
+               const std::vector<float*>& ys) {
+  thread_local Scratch normed;
+  float* xn = buffer(normed, M * E);
+  rms_rows(x, M, E, norm_w, eps, xn);
+  std::vector<Output> outs;
+  for (size_t i = 0; i < bound.size(); i++) outs.push_back({&bound[i].weights, ys[i]});
+  products(outs, xn, static_cast<int>(M));
+  for (size_t i = 0; i < bound.size(); i++) {
+    const int N = bound[i].weights.N;
+    if (bound[i].bias)
+      for (long r = 0; r < M; r++) add_into(ys[i] + r * N, ys[i] + r * N, bound[i].bias, N);
+  }
+  release_large(normed);
+}
+
+void tail_rows(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
+               const Bound& gate, const Bound& up, const Bound& down, float* y) {
+  thread_local Scratch hbuf, nbuf, gbuf, ubuf, dbuf;
+  const int I = gate.weights.N;
+  float* h = buffer(hbuf, M * E);
+  product(o.weights, att, static_cast<int>(M), h);
+  add_into(h, x, h, M * E);  // h = x + o(attention)
+  float* n = buffer(nbuf, M * E);
+  rms_rows(h, M, E, norm_w, eps, n);
+  float* g = buffer(gbuf, M * I);
+  float* u = buffer(ubuf, M * I);
+  products({{&gate.weights, g}, {&up.weights, u}}, n, static_cast<int>(M));
+  silu_into(g, M * I, g);  // in place: each value is read before it is written
+  for (long i = 0; i < M * I; i++) g[i] = g[i] * u[i];  // swiglu: silu(gate) * up
+  float* d = buffer(dbuf, M * E);
+  product(down.weights, g, static_cast<int>(M), d);
+  add_into(y, h, d, M * E);  // out = h + down(...)
+  release_large(hbuf, nbuf, gbuf, ubuf, dbuf);
+}
 
 std::vector<mx::array> decoder_head(const mx::array& x, const mx::array& norm_weight, float eps,
                                     const std::vector<Projection>& projections, const std::vector<int>& heads,
@@ -152,37 +184,30 @@ void DecoderHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (const auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
   encoder.dispatch([in = std::move(in), out = std::move(out), descs = projections_, heads = heads_, eps = eps_]() mutable {
     thread_local std::vector<float> xcopy, wcopy;
-    thread_local Scratch normed, tmp;
+    thread_local Scratch tmp;
     const mx::array& x = in[0];
     const int B = x.shape(0), L = x.shape(1), E = x.shape(2), M = B * L;
-    float* xn = buffer(normed, static_cast<long>(M) * E);
-    rms_rows(row_major(x, xcopy), M, E, weight_row(in[1], wcopy), eps, xn);
     size_t at = 2;
     std::vector<Bound> bound;
     long total = 0;  // columns of all projections: with several tokens they go to tmp first
     for (const auto& d : descs) bound.push_back(bound_at(d, in, at)), total += d.spec.N;
     float* staged = L == 1 ? nullptr : buffer(tmp, static_cast<long>(M) * total);
-    std::vector<Output> outs;  // one token: [B, N] is [B, H, 1, D], written in place
+    std::vector<float*> ys;  // one token: [B, N] is [B, H, 1, D], written in place
     for (size_t i = 0; i < descs.size(); i++) {
-      outs.push_back({&bound[i].weights, L == 1 ? out[i].data<float>() : staged});
+      ys.push_back(L == 1 ? out[i].data<float>() : staged);
       if (L > 1) staged += static_cast<long>(M) * descs[i].spec.N;
     }
-    products(outs, xn, M);
-    for (size_t i = 0; i < descs.size(); i++) {
-      const Bound& p = bound[i];
+    head_rows(row_major(x, xcopy), M, E, weight_row(in[1], wcopy), eps, bound, ys);
+    for (size_t i = 0; L > 1 && i < descs.size(); i++) {
       const int N = descs[i].spec.N, H = heads[i], D = N / H;
       float* y = out[i].data<float>();
-      float* dst = outs[i].y;
-      if (p.bias)
-        for (long r = 0; r < M; r++) add_into(dst + r * N, dst + r * N, p.bias, N);
-      if (L == 1) continue;
       for (int b = 0; b < B; b++)  // [B, L, H, D] -> [B, H, L, D]
         for (int l = 0; l < L; l++)
           for (int h = 0; h < H; h++)
-            std::copy_n(dst + ((static_cast<long>(b) * L + l) * N + h * D), D,
+            std::copy_n(ys[i] + ((static_cast<long>(b) * L + l) * N + h * D), D,
                         y + ((static_cast<long>(b) * H + h) * L + l) * D);
     }
-    release_large(xcopy, normed, tmp);
+    release_large(xcopy, tmp);
   });
 }
 
@@ -224,28 +249,13 @@ void DecoderTail::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
   encoder.dispatch([in = std::move(in), y = result.data<float>(), descs = projections_, eps = eps_]() {
     thread_local std::vector<float> acopy, xcopy, wcopy;
-    thread_local Scratch hbuf, nbuf, gbuf, ubuf, dbuf;
     const mx::array& x = in[1];
-    const long M = static_cast<long>(x.shape(0)) * x.shape(1);
-    const int E = x.shape(2), I = descs[1].spec.N;
     size_t at = 3;
     const Bound o = bound_at(descs[0], in, at), gate = bound_at(descs[1], in, at);
     const Bound up = bound_at(descs[2], in, at), down = bound_at(descs[3], in, at);
-    const float* xs = row_major(x, xcopy);
-    float* h = buffer(hbuf, M * E);
-    product(o.weights, row_major(in[0], acopy), static_cast<int>(M), h);
-    add_into(h, xs, h, M * E);  // h = x + o(attention)
-    float* n = buffer(nbuf, M * E);
-    rms_rows(h, M, E, weight_row(in[2], wcopy), eps, n);
-    float* g = buffer(gbuf, M * I);
-    float* u = buffer(ubuf, M * I);
-    products({{&gate.weights, g}, {&up.weights, u}}, n, static_cast<int>(M));
-    silu_into(g, M * I, g);  // in place: each value is read before it is written
-    for (long i = 0; i < M * I; i++) g[i] = g[i] * u[i];  // swiglu: silu(gate) * up
-    float* d = buffer(dbuf, M * E);
-    product(down.weights, g, static_cast<int>(M), d);
-    add_into(y, h, d, M * E);  // out = h + down(...)
-    release_large(acopy, xcopy, hbuf, nbuf, gbuf, ubuf, dbuf);
+    tail_rows(row_major(in[0], acopy), row_major(x, xcopy), static_cast<long>(x.shape(0)) * x.shape(1), x.shape(2),
+              weight_row(in[2], wcopy), eps, o, gate, up, down, y);
+    release_large(acopy, xcopy);
   });
 }
 

@@ -77,4 +77,27 @@ mx::array decoder_tail(const mx::array& attention, const mx::array& x, const Pro
 // silu(x) into y over n values, split over the pool as FusedSiLU splits it (so the same bits).
 void silu_into(const float* x, long n, float* y);
 
+// ---- what the two primitives and the layer stack (stack.h) share ----
+
+// A projection's layout checked against its input's K features (`what` names it in the error).
+ProjectionDesc describe(const Projection& p, int K, const char* what);
+// Appends a projection's arrays to a primitive's inputs (a bias as float32).
+void push(const Projection& p, std::vector<mx::array>& inputs, mx::StreamOrDevice s);
+// A projection's evaluated arrays, read from `inputs` at `at` (advanced past them).
+struct Bound {
+  Weights weights;
+  const float* bias;
+};
+Bound bound_at(const ProjectionDesc& d, const std::vector<mx::array>& inputs, size_t& at);
+// y = (x * rsqrt(mean(x^2) + eps)) * w per row of D values, as FusedRMSNorm computes it.
+void rms_rows(const float* x, long rows, int D, const float* w, float eps, float* y);
+// A 1-D float32 array's values, dense: its own data's or a copy's.
+const float* weight_row(const mx::array& w, std::vector<float>& copy);
+// decoder_head on M rows of x [M, E]: each projection (+ its bias) into ys[i], [M, N_i] row-major.
+void head_rows(const float* x, long M, int E, const float* norm_w, float eps, const std::vector<Bound>& projections,
+               const std::vector<float*>& ys);
+// decoder_tail on M rows: att [M, A], x [M, E] into y [M, E].
+void tail_rows(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
+               const Bound& gate, const Bound& up, const Bound& down, float* y);
+
 }  // namespace shoal

@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from node.cpu.fused import install_fused_ops
 from node.cpu.fused_layers import fuse_decoder_layers
+from node.cpu.fused_stack import stack_decoder
 from node.cpu.kernel_layers import (
     KernelHalfEmbedding,
     KernelHalfLinear,
@@ -236,6 +237,8 @@ def _keep_as_stored(
     fused = fuse_decoder_layers(model, kernels.module)
     if fused:
         note += f"; {fused} decoder layers fused"
+    if stack_decoder(model, kernels.module):
+        note += " (a decode step's layers as one operation)"
     held = sum(v.nbytes for _, layer in swapped for _, v in _flat(layer))
     return DtypeDecision(
         False,
