@@ -249,7 +249,8 @@ def test_long_prompt_shows_prefill_progress(dashboard: tuple[Page, Console], tmp
     page.evaluate(RECORD_PROGRESS)
     send(page, LONG_PROMPT, max_tokens=4)
     bar = page.locator("#messages [role=progressbar]")
-    bar.wait_for(timeout=30_000)
+    # The observer saw the bar (a poll for it being visible can miss a short prefill).
+    page.wait_for_function("() => window.__progressMax !== undefined", timeout=30_000)
     shot(page, tmp_path, "prefill")
     last_answer_done(page)
     assert bar.count() == 0  # gone once tokens came

@@ -137,14 +137,11 @@ inline void row_scales(const Weights& w, const Acts& a, int n, int m0, float* sx
   float* bias_sum = sxc + MB * chunks;  // per row of x: the sum over groups of bias x activation sum
   __m256 bsum[MB];
   for (int m = 0; m < MB; m++) bsum[m] = _mm256_setzero_ps();
-  const int vector_groups = groups >= 8 ? groups : 0;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  int g = 0;
-  for (; g < vector_groups; g += 8) {  // 8 groups' products, each repeated for its chunks
-    const int g8 = std::min(g, groups - 8);
-    const __m256i fresh = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(g8 - g)), _mm256_set1_epi32(-1));
+  // 8 groups' products, each repeated for its chunks; `fresh` masks out the lanes of groups a
+  // row's overlapped last 8 already had (all lanes but in that block).
+  auto block = [&](int g8, __m256 fresh) {
     const __m256 s = scales8(w.scales, w.scale_type, at + g8);
-    const __m256 b = _mm256_and_ps(biases8(w, at + g8, s, z), _mm256_castsi256_ps(fresh));
+    const __m256 b = _mm256_and_ps(biases8(w, at + g8, s, z), fresh);
     for (int m = 0; m < MB; m++) {
       const long r = static_cast<long>(m0 + m) * groups + g8;
       bsum[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(a.xsum + r), bsum[m]);
@@ -160,8 +157,15 @@ inline void row_scales(const Weights& w, const Acts& a, int n, int m0, float* sx
         _mm256_storeu_ps(out + j * 8, _mm256_permutevar8x32_ps(v, index));
       }
     }
+  };
+  const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int g = 0;
+  for (; groups >= 8 && g + 8 <= groups; g += 8) block(g, all);
+  if (groups >= 8 && g < groups) {  // the last groups % 8: the row's last 8, the repeated lanes masked
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    block(groups - 8, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(7 - (groups - g)))));
+    g = groups;
   }
-  g = std::min(g, groups);
   for (int m = 0; m < MB; m++) bias_sum[m] = hsum(bsum[m]);
   for (; g < groups; g++) {
     const float s = scale1(w.scales, w.scale_type, at + g);
