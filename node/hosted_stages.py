@@ -21,7 +21,7 @@ import trio
 
 from node.children.supervisor import ChildFailed, Launch, keep_restarting, running
 from node.net.mesh import RequestError
-from node.pipeline.stage import READY_MAX_BYTES, decode_ready, stage_command
+from node.pipeline.stage_wire import READY_MAX_BYTES, decode_ready, stage_command
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import (

@@ -4,7 +4,8 @@ Each architecture it takes (llama; qwen2, with q/k/v biases; qwen3, with per-hea
 4-bit twice, with the stack and without (`SHOAL_DECODER_STACK=0`: the fused layers, which
 tests/test_fused_layers.py holds to mlx-lm's own): decode steps give equal logits alone (across a
 KV-cache growth, where the per-layer way takes over for a step) and in a padded batch (mlx-lm's
-`BatchGenerator`, as the runner runs it). Caches it writes in place are never shared with another array.
+`BatchGenerator`, as the runner runs it, with sequences leaving and joining). Caches it writes in
+place are never shared with another array.
 """
 
 from __future__ import annotations
@@ -78,13 +79,17 @@ def _logits_alone(model: Any, prompt: int, steps: int) -> list[mx.array]:
 
 
 def _batched(model: Any) -> list[tuple[int, int, mx.array]]:
+    """A padded batch where one sequence ends early (the batch is filtered) and one joins later
+    (it is extended): every token and its logprobs, in order."""
     generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
-    generator.insert([list(range(400, 405)), list(range(500, 512))], max_tokens=[6, 6])
+    generator.insert([list(range(400, 405)), list(range(500, 512))], max_tokens=[3, 9])
     seen: list[tuple[int, int, mx.array]] = []
-    for _ in range(50):
+    for step in range(60):
+        if step == 4:
+            generator.insert([list(range(600, 607))], max_tokens=[5])
         _, responses = generator.next()
         seen += [(r.uid, r.token, r.logprobs) for r in responses]
-        if len(seen) >= 12:
+        if len(seen) >= 17:
             break
     generator.close()
     return seen
@@ -105,7 +110,7 @@ def test_the_stack_gives_the_bits_of_the_fused_layers(
     before = _steps(stacked)
     got_batch, want_batch = _batched(stacked), _batched(layered)
     assert _steps(stacked) > before
-    assert len(got_batch) == len(want_batch) == 12
+    assert len(got_batch) == len(want_batch) == 17
     for (uid, token, logprobs), (uid2, token2, logprobs2) in zip(got_batch, want_batch, strict=True):
         assert (uid, token) == (uid2, token2)
         assert bool(mx.array_equal(logprobs, logprobs2).item())

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from pydantic import TypeAdapter
 
 from node.children.process import exit_when_orphaned, read_first_frame, spawn, terminate
 from node.pipeline.frames import Frame, Kind
@@ -55,9 +54,8 @@ from node.pipeline.hop import (
     parse_address,
 )
 from node.pipeline.shard import Sampler, Shard, load_shard, request_sampler
-from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
+from node.pipeline.stage_wire import READY_MAX_BYTES, StageReady, decode_ready, encode_ready, stage_command
 from protocol.chat import SamplingParams
-from protocol.framing import FrameError, encode
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -237,51 +235,6 @@ def _since_us(started: float) -> int:
     """Microseconds of work since `started`, reported along the ring so the driver can tell the
     stages' own time from the hops' (see `RingStats`)."""
     return int((time.perf_counter() - started) * 1e6)
-
-
-class StageReady(WireMessage):
-    """A stage process's one frame on stdout: it accepts connections on `port`."""
-
-    port: int
-    start: int
-    end: int
-    pid: int
-
-
-READY_MAX_BYTES = 1024
-"""A ready frame is a few dozen bytes; the cap on what a starting stage may make us buffer."""
-
-
-def encode_ready(ready: StageReady) -> bytes:
-    return encode(encode_cbor(ready, limit=READY_MAX_BYTES, error=FrameError), READY_MAX_BYTES)
-
-
-def decode_ready(frame: bytes) -> StageReady:
-    """`FrameError` for a frame that is no `StageReady`."""
-    return decode_cbor(_READY, frame, limit=READY_MAX_BYTES, error=FrameError, what="stage ready frame")
-
-
-_READY: TypeAdapter[StageReady] = TypeAdapter(StageReady)
-
-
-def stage_command(
-    model_path: Path | str,
-    *,
-    start: int,
-    end: int | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    hop_timeout: float = HOP_TIMEOUT,
-    parent_pid: int | None = None,
-) -> list[str]:
-    """`python -m node.pipeline.stage` with these arguments (see `main`)."""
-    command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
-    command += ["--start", str(start), "--listen", f"{host}:{port}", "--hop-timeout", str(hop_timeout)]
-    if end is not None:
-        command += ["--end", str(end)]
-    if parent_pid is not None:
-        command += ["--parent-pid", str(parent_pid)]
-    return command
 
 
 @dataclass
