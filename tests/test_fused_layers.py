@@ -14,13 +14,12 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
 from node.cpu.fused import uninstall_fused_ops
 from node.cpu.fused_layers import _FusedBlock, fuse_decoder_layers, is_fusable
 from node.native import load_kernels
 from node.runner.engine import load_model
+from tests.decode_runs import BATCHED_TOKENS, batched, logits_alone
 from tests.model_factory import ModelType, make_random_model, quantized_copy
 
 KERNELS = load_kernels().module
@@ -65,31 +64,6 @@ def _loaded(model_dir: Path, monkeypatch: pytest.MonkeyPatch, *, fused: bool) ->
     return model
 
 
-def _logits_alone(model: Any) -> list[mx.array]:
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([list(range(300, 309))]), cache=cache)]
-    token = mx.array([[7]])
-    for _ in range(3):
-        logits = model(token, cache=cache)
-        out.append(logits)
-        token = mx.argmax(logits[:, -1, :], axis=-1)[None]
-    mx.eval(out)
-    return out
-
-
-def _batched(model: Any) -> list[tuple[int, int, mx.array]]:
-    generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
-    generator.insert([list(range(400, 405)), list(range(500, 512))], max_tokens=[4, 4])
-    seen: list[tuple[int, int, mx.array]] = []
-    for _ in range(50):
-        _, responses = generator.next()
-        seen += [(r.uid, r.token, r.logprobs) for r in responses]
-        if len(seen) >= 8:
-            break
-    generator.close()
-    return seen
-
-
 def test_fused_layers_give_the_bits_of_mlx_lms_layers(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,13 +73,13 @@ def test_fused_layers_give_the_bits_of_mlx_lms_layers(
     # own if another test traced it without the fused ops); uncompiled it calls the runner's.
     mx.disable_compile()
     try:
-        want_alone, want_batch = _logits_alone(plain), _batched(plain)
+        want_alone, want_batch = logits_alone(plain), batched(plain)
     finally:
         mx.enable_compile()
-    for got, want in zip(_logits_alone(fused), want_alone, strict=True):
+    for got, want in zip(logits_alone(fused), want_alone, strict=True):
         assert got.shape == want.shape and bool(mx.array_equal(got, want).item())
-    got_batch = _batched(fused)
-    assert len(got_batch) == len(want_batch) == 8
+    got_batch = batched(fused)
+    assert len(got_batch) == len(want_batch) == BATCHED_TOKENS
     for (uid, token, logprobs), (uid2, token2, logprobs2) in zip(got_batch, want_batch, strict=True):
         assert (uid, token) == (uid2, token2)
         assert bool(mx.array_equal(logprobs, logprobs2).item())

@@ -17,13 +17,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from node.cpu.fused import uninstall_fused_ops
 from node.cpu.fused_stack import _StackedModel, stack_decoder
 from node.native import load_kernels
 from node.runner.engine import load_model
+from tests.decode_runs import BATCHED_TOKENS, batched, logits_alone
 from tests.model_factory import ModelType, make_random_model, quantized_copy
 
 KERNELS = load_kernels().module
@@ -66,35 +66,6 @@ def _steps(model: Any) -> int:
     return 0 if stack is None else stack.steps
 
 
-def _logits_alone(model: Any, prompt: int, steps: int) -> list[mx.array]:
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([list(range(300, 300 + prompt))]), cache=cache)]
-    token = mx.array([[7]])
-    for _ in range(steps):
-        logits = model(token, cache=cache)
-        out.append(logits)
-        token = mx.argmax(logits[:, -1, :], axis=-1)[None]
-    mx.eval(out)
-    return out
-
-
-def _batched(model: Any) -> list[tuple[int, int, mx.array]]:
-    """A padded batch where one sequence ends early (the batch is filtered) and one joins later
-    (it is extended): every token and its logprobs, in order."""
-    generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
-    generator.insert([list(range(400, 405)), list(range(500, 512))], max_tokens=[3, 9])
-    seen: list[tuple[int, int, mx.array]] = []
-    for step in range(60):
-        if step == 4:
-            generator.insert([list(range(600, 607))], max_tokens=[5])
-        _, responses = generator.next()
-        seen += [(r.uid, r.token, r.logprobs) for r in responses]
-        if len(seen) >= 17:
-            break
-    generator.close()
-    return seen
-
-
 def test_the_stack_gives_the_bits_of_the_fused_layers(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -103,14 +74,14 @@ def test_the_stack_gives_the_bits_of_the_fused_layers(
     # KVCache grows in steps of 256: from 250 positions, step 7 must grow it (the per-layer way).
     for prompt, steps in [(9, 4), (250, 10)]:
         before = _steps(stacked)
-        got, want = _logits_alone(stacked, prompt, steps), _logits_alone(layered, prompt, steps)
+        got, want = logits_alone(stacked, prompt, steps), logits_alone(layered, prompt, steps)
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and bool(mx.array_equal(a, b).item())
         assert steps - 1 <= _steps(stacked) - before <= steps  # all steps but the growing one
     before = _steps(stacked)
-    got_batch, want_batch = _batched(stacked), _batched(layered)
+    got_batch, want_batch = batched(stacked), batched(layered)
     assert _steps(stacked) > before
-    assert len(got_batch) == len(want_batch) == 17
+    assert len(got_batch) == len(want_batch) == BATCHED_TOKENS
     for (uid, token, logprobs), (uid2, token2, logprobs2) in zip(got_batch, want_batch, strict=True):
         assert (uid, token) == (uid2, token2)
         assert bool(mx.array_equal(logprobs, logprobs2).item())
@@ -138,8 +109,8 @@ def test_models_it_cannot_run_keep_their_own_call(model_dir: Path, monkeypatch: 
     monkeypatch.setenv("SHOAL_FUSED_LAYERS", "0")  # mlx-lm's layers: nothing for one operation to run
     model = load_model(model_dir, vocab_dir=None).model
     assert KERNELS is not None and not stack_decoder(model, KERNELS)
-    want = _logits_alone(model, 5, 2)
-    got = _logits_alone(model, 5, 2)
+    want = logits_alone(model, 5, 2)
+    got = logits_alone(model, 5, 2)
     assert all(bool(mx.array_equal(a, b).item()) for a, b in zip(got, want, strict=True))
     assert _steps(model) == 0
 

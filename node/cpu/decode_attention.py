@@ -35,6 +35,16 @@ class RopeSpec:
     scale: float
     freqs: mx.array | None
 
+    def kwargs(self) -> dict[str, Any]:
+        """As the native decode operations take it."""
+        return {
+            "dims": self.dims,
+            "traditional": self.traditional,
+            "base": self.base,
+            "rope_scale": self.scale,
+            "freqs": self.freqs,
+        }
+
 
 def rope_spec(rope: Any) -> RopeSpec | None:
     """The spec of an `nn.RoPE` or mlx-lm `Llama3RoPE` (exact types); None for any other rope."""
@@ -73,14 +83,10 @@ def cached_attention(
         keys,
         values,
         index=index,
-        dims=spec.dims,
-        traditional=spec.traditional,
-        base=spec.base,
-        rope_scale=spec.scale,
         offset=cache.offset,
         scale=attn.scale,
-        freqs=spec.freqs,
         mask=mask if isinstance(mask, mx.array) else None,  # one query: "causal" sees every key
+        **spec.kwargs(),
     )
     if kind is KVCache:
         cache.offset += 1

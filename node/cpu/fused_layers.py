@@ -51,6 +51,19 @@ def _projection(layer: Any) -> Projection:
     return (layer["weight"], layer["scales"], layer._biases(), bias, layer.group_size, layer.bits)
 
 
+def tail_args(block: Any) -> tuple[Any, ...]:
+    """`decoder_tail`'s arguments after the attention output and x: o, norm weight and eps, gate, up, down."""
+    attn, mlp, post = block["self_attn"], block["mlp"], block["post_attention_layernorm"]
+    return (
+        _projection(attn["o_proj"]),
+        post["weight"],
+        post.eps,
+        _projection(mlp["gate_proj"]),
+        _projection(mlp["up_proj"]),
+        _projection(mlp["down_proj"]),
+    )
+
+
 def _is_norm(module: Any) -> bool:
     return isinstance(module, nn.RMSNorm) and "weight" in module
 
@@ -83,7 +96,7 @@ class _FusedBlock:
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         block: Any = self
-        attn, mlp, norm = block["self_attn"], block["mlp"], block["input_layernorm"]
+        attn, norm = block["self_attn"], block["input_layernorm"]
         length = x.shape[1]
         q, k, v = self._kernels.decoder_head(
             x,
@@ -97,17 +110,7 @@ class _FusedBlock:
         out = cached_attention(self._kernels, attn, q, k, v, cache, mask) if length == 1 else None
         if out is None:
             out = self._attention(q, k, v, cache, mask)
-        post = block["post_attention_layernorm"]
-        y = self._kernels.decoder_tail(
-            out,
-            x,
-            _projection(attn["o_proj"]),
-            post["weight"],
-            post.eps,
-            _projection(mlp["gate_proj"]),
-            _projection(mlp["up_proj"]),
-            _projection(mlp["down_proj"]),
-        )
+        y = self._kernels.decoder_tail(out, x, *tail_args(block))
         if length > 1 and isinstance(self, _EvaluatedInPrefill):
             mx.eval(y)  # what layer_eval's mixin (now behind this one) would do
         return y

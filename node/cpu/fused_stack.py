@@ -30,7 +30,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from node.cpu.decode_attention import RopeSpec, rope_spec
-from node.cpu.fused_layers import _FusedBlock, _projection
+from node.cpu.fused_layers import _FusedBlock, _projection, tail_args
 
 STACKABLE_MODELS = {
     ("mlx_lm.models.llama", "LlamaModel"),
@@ -65,8 +65,7 @@ class _Stack:
 
 
 def _layer_args(layer: Any) -> tuple[Any, ...]:
-    attn, mlp = layer["self_attn"], layer["mlp"]
-    norm, post = layer["input_layernorm"], layer["post_attention_layernorm"]
+    attn, norm = layer["self_attn"], layer["input_layernorm"]
     q_norm, k_norm = attn.get("q_norm"), attn.get("k_norm")
     return (
         norm["weight"],
@@ -77,12 +76,7 @@ def _layer_args(layer: Any) -> tuple[Any, ...]:
         None if q_norm is None else q_norm["weight"],
         None if k_norm is None else k_norm["weight"],
         0.0 if q_norm is None else q_norm.eps,
-        _projection(attn["o_proj"]),
-        post["weight"],
-        post.eps,
-        _projection(mlp["gate_proj"]),
-        _projection(mlp["up_proj"]),
-        _projection(mlp["down_proj"]),
+        *tail_args(layer),
     )
 
 
@@ -171,21 +165,16 @@ class _StackedModel:
                 return None
         h = module.embed_tokens(inputs) if embeddings is None else embeddings
         mask = create_attention_mask(h, first)
-        rope = stack.rope
         h = self._kernels.decoder_stack(
             h,
             stack.plan,
             keys,
             values,
             index=index,
-            dims=rope.dims,
-            traditional=rope.traditional,
-            base=rope.base,
-            rope_scale=rope.scale,
             offset=first.offset,
             scale=stack.scale,
-            freqs=rope.freqs,
             mask=mask if isinstance(mask, mx.array) else None,
+            **stack.rope.kwargs(),
         )
         if kind is KVCache:
             for c in cache:
