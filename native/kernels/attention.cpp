@@ -224,21 +224,29 @@ std::vector<mx::Shape> FusedSDPA::output_shapes(const std::vector<mx::array>& in
 
 // ---- a decode step's attention on the KV cache ----
 
+std::vector<float> fused_detail::decode_angles(const DecodeAttention::Params& p, int B, const int32_t* offsets,
+                                              long offset_stride, const float* freqs, long freq_stride) {
+  const std::vector<float> inv = rope_inverse_frequencies(p.dims, p.base, freqs, freq_stride);
+  std::vector<float> angles(static_cast<size_t>(B) * p.dims);
+  for (int b = 0; b < B; b++)  // as FusedRoPE: position (0 + offset) * scale
+    rope_angles(inv, static_cast<float>(offsets[b * offset_stride]) * p.rope_scale, angles.data() + b * p.dims);
+  return angles;
+}
+
 void fused_detail::decode_step(const DecodeStep& s) {
   const auto& p = s.p;
   const int B = s.B, Hq = s.Hq, Hkv = s.Hkv, D = s.D, Dv = s.Dv;
-  const std::vector<float> inv = rope_inverse_frequencies(p.dims, p.base, s.freqs, s.freq_stride);
-  std::vector<float> angles(static_cast<size_t>(p.dims)), qr(static_cast<size_t>(B) * Hq * D);
-  for (int b = 0; b < B; b++) {  // as FusedRoPE: position (0 + offset) * scale
-    rope_angles(inv, static_cast<float>(s.offsets[b * s.offset_stride]) * p.rope_scale, angles.data());
+  thread_local std::vector<float> qr;
+  qr.resize(static_cast<size_t>(B) * Hq * D);
+  for (int b = 0; b < B; b++) {
+    const float* angles = s.angles + b * p.dims;
     for (int h = 0; h < Hq; h++) {
       const long row = static_cast<long>(b) * Hq + h;
-      rope_row(s.q + row * D, D, p.dims, p.traditional, angles.data(), qr.data() + row * D);
+      rope_row(s.q + row * D, D, p.dims, p.traditional, angles, qr.data() + row * D);
     }
     for (int h = 0; h < Hkv; h++) {
       const long row = static_cast<long>(b) * Hkv + h;
-      rope_row(s.k + row * D, D, p.dims, p.traditional, angles.data(),
-               s.kc + b * s.kst[0] + h * s.kst[1] + p.index * s.kst[2]);
+      rope_row(s.k + row * D, D, p.dims, p.traditional, angles, s.kc + b * s.kst[0] + h * s.kst[1] + p.index * s.kst[2]);
       std::memcpy(s.vc + b * s.vst[0] + h * s.vst[1] + p.index * s.vst[2], s.v + row * Dv, 4 * Dv);
     }
   }
@@ -252,6 +260,31 @@ void fused_detail::decode_step(const DecodeStep& s) {
   attend(a);
 }
 
+DecodeAttention::Params fused_detail::decode_inputs(const char* op, int B, int Hq, int D, int index, int dims,
+                                                    bool traditional, std::optional<float> base, float rope_scale,
+                                                    const std::variant<int, mx::array>& offset, float scale,
+                                                    const std::optional<mx::array>& freqs,
+                                                    const std::optional<mx::array>& mask,
+                                                    std::vector<mx::array>& inputs, mx::StreamOrDevice s) {
+  if (dims <= 0 || dims % 2 || dims > D || freqs.has_value() == base.has_value())
+    throw std::invalid_argument(std::string("[") + op + "] rope: even dims <= D, and exactly one of base and freqs");
+  mx::array off = std::holds_alternative<int>(offset) ? mx::array(std::get<int>(offset), mx::int32)
+                                                       : mx::astype(std::get<mx::array>(offset), mx::int32, s);
+  if (off.ndim() > 1 || (off.size() != 1 && off.size() != static_cast<size_t>(B)))
+    throw std::invalid_argument(std::string("[") + op + "] offset must be a scalar or one per sequence");
+  inputs.push_back(off);
+  if (freqs) {
+    if (freqs->ndim() != 1 || freqs->shape(0) != dims / 2)
+      throw std::invalid_argument(std::string("[") + op + "] freqs must be 1-D with dims / 2 values");
+    inputs.push_back(mx::astype(*freqs, mx::float32, s));
+  }
+  MaskKind kind = MaskKind::None;
+  if (mask) {
+    kind = mask_kind(*mask);
+    inputs.push_back(mask_input(*mask, {B, Hq, 1, index + 1}, op, s));
+  }
+  return {index, dims, traditional, base.value_or(0.0f), rope_scale, scale, freqs.has_value(), kind};
+}
 
 std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                                         const mx::array& keys, const mx::array& values, int index, int dims,
@@ -272,25 +305,10 @@ std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, 
   if (keys.dtype() != mx::float32 || values.dtype() != mx::float32)
     throw std::invalid_argument(std::string("[") + op + "] the caches must be float32");
   if (index < 0 || index >= C) throw std::invalid_argument(std::string("[") + op + "] index is outside the caches");
-  if (dims <= 0 || dims % 2 || dims > D || freqs.has_value() == base.has_value())
-    throw std::invalid_argument(std::string("[") + op + "] rope: even dims <= D, and exactly one of base and freqs");
-  mx::array off = std::holds_alternative<int>(offset) ? mx::array(std::get<int>(offset), mx::int32)
-                                                       : mx::astype(std::get<mx::array>(offset), mx::int32, s);
-  if (off.ndim() > 1 || (off.size() != 1 && off.size() != static_cast<size_t>(B)))
-    throw std::invalid_argument(std::string("[") + op + "] offset must be a scalar or one per sequence");
   std::vector<mx::array> inputs{mx::astype(q, mx::float32, s), mx::astype(k, mx::float32, s),
-                                mx::astype(v, mx::float32, s), keys, values, off};
-  if (freqs) {
-    if (freqs->ndim() != 1 || freqs->shape(0) != dims / 2)
-      throw std::invalid_argument(std::string("[") + op + "] freqs must be 1-D with dims / 2 values");
-    inputs.push_back(mx::astype(*freqs, mx::float32, s));
-  }
-  MaskKind kind = MaskKind::None;
-  if (mask) {
-    kind = mask_kind(*mask);
-    inputs.push_back(mask_input(*mask, {B, Hq, 1, index + 1}, op, s));
-  }
-  DecodeAttention::Params p{index, dims, traditional, base.value_or(0.0f), rope_scale, scale, freqs.has_value(), kind};
+                                mx::astype(v, mx::float32, s), keys, values};
+  const DecodeAttention::Params p = decode_inputs(op, B, Hq, D, index, dims, traditional, base, rope_scale, offset,
+                                                  scale, freqs, mask, inputs, s);
   return mx::array::make_arrays({{B, 1, Hq * Dv}, keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<DecodeAttention>(mx::to_stream(s), p), std::move(inputs));
 }
@@ -318,11 +336,12 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       }
     }
     std::vector<float> qcopy, kcopy, vcopy;
+    const std::vector<float> angles =
+        decode_angles(p, q.shape(0), off.data<int32_t>(), off.size() == 1 ? 0 : static_cast<long>(off.strides()[0]),
+                      p.freqs ? in[6].data<float>() : nullptr, p.freqs ? in[6].strides()[0] : 0);
     DecodeStep step{p, q.shape(0), q.shape(1), in[1].shape(1), q.shape(3), in[2].shape(3), dense(q, qcopy),
-                    dense(in[1], kcopy), dense(in[2], vcopy), off.data<int32_t>(),
-                    off.size() == 1 ? 0 : static_cast<long>(off.strides()[0]), nullptr, 0,
-                    out[1].data<float>(), {}, out[2].data<float>(), {}, nullptr, out[0].data<float>()};
-    if (p.freqs) step.freqs = in[6].data<float>(), step.freq_stride = in[6].strides()[0];
+                    dense(in[1], kcopy), dense(in[2], vcopy), angles.data(), out[1].data<float>(), {},
+                    out[2].data<float>(), {}, nullptr, out[0].data<float>()};
     for (int d = 0; d < 3; d++) step.kst[d] = out[1].strides()[d], step.vst[d] = out[2].strides()[d];
     if (p.mask != MaskKind::None) step.mask = &in.back();
     decode_step(step);

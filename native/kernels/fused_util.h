@@ -129,16 +129,13 @@ void attend(const Attention& a);
 // One decode step's attention on a KV cache (DecodeAttention's arithmetic, and the layer stack's):
 // q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] dense and not yet roped; k (roped) and v are
 // written at position p.index of the caches kc / vc (batch, head, position strides kst / vst),
-// then attention over positions 0 .. p.index into out [B, Hq * Dv]. Rope positions: offsets[b *
-// offset_stride] (stride 0: one for all). freqs when p.freqs; the mask when p.mask is an array kind.
+// then attention over positions 0 .. p.index into out [B, Hq * Dv]. `angles` are decode_angles';
+// the mask is read when p.mask is an array kind.
 struct DecodeStep {
   DecodeAttention::Params p;
   int B, Hq, Hkv, D, Dv;
   const float *q, *k, *v;
-  const int32_t* offsets;
-  long offset_stride;
-  const float* freqs;
-  long freq_stride;
+  const float* angles;
   float* kc;
   long kst[3];
   float* vc;
@@ -146,6 +143,18 @@ struct DecodeStep {
   const mx::array* mask;
   float* out;
 };
+// Rope's cos and sin for each sequence's position (rope_angles, [B, p.dims]), as FusedRoPE takes
+// them: position offsets[b * offset_stride] (stride 0: one for all), freqs when p.freqs. The same
+// for every layer of a step, so the stack computes them once.
+std::vector<float> decode_angles(const DecodeAttention::Params& p, int B, const int32_t* offsets, long offset_stride,
+                                 const float* freqs, long freq_stride);
+// A decode step's rope offset, freqs and mask checked and appended to `inputs` in that order, for
+// queries [B, Hq, 1, D] over index + 1 keys; the step's Params. Errors name `op`.
+DecodeAttention::Params decode_inputs(const char* op, int B, int Hq, int D, int index, int dims, bool traditional,
+                                      std::optional<float> base, float rope_scale,
+                                      const std::variant<int, mx::array>& offset, float scale,
+                                      const std::optional<mx::array>& freqs, const std::optional<mx::array>& mask,
+                                      std::vector<mx::array>& inputs, mx::StreamOrDevice s);
 void decode_step(const DecodeStep& s);
 
 }  // namespace shoal::fused_detail

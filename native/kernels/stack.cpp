@@ -86,31 +86,12 @@ mx::array decoder_stack(const mx::array& x, const StackPlan& plan, const std::ve
       throw bad("caches must be float32 keys [B, Hkv, C, D] and values [B, Hkv, C, Dv]");
     if (index >= k.shape(2)) throw bad("index is outside the caches");
   }
-  if (dims <= 0 || dims % 2 || dims > plan.D || freqs.has_value() == base.has_value())
-    throw bad("rope: even dims <= D, and exactly one of base and freqs");
-  mx::array off = std::holds_alternative<int>(offset) ? mx::array(std::get<int>(offset), mx::int32)
-                                                       : mx::astype(std::get<mx::array>(offset), mx::int32, s);
-  if (off.ndim() > 1 || (off.size() != 1 && off.size() != static_cast<size_t>(B)))
-    throw bad("offset must be a scalar or one per sequence");
-  std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), off};
-  if (freqs) {
-    if (freqs->ndim() != 1 || freqs->shape(0) != dims / 2) throw bad("freqs must be 1-D with dims / 2 values");
-    inputs.push_back(mx::astype(*freqs, mx::float32, s));
-  }
-  MaskKind kind = MaskKind::None;
-  if (mask) {
-    kind = mask->dtype() == mx::bool_ ? MaskKind::Boolean : MaskKind::Additive;
-    const int pad = 4 - static_cast<int>(mask->ndim());
-    const mx::Shape target{B, plan.Hq, 1, index + 1};
-    for (int d = std::max(pad, 0); d < 4 && pad >= 0; d++)
-      if (mask->shape(d - pad) != 1 && mask->shape(d - pad) != target[d]) throw bad("the mask does not broadcast");
-    if (pad < 0) throw bad("an array mask has at most 4 dimensions");
-    inputs.push_back(kind == MaskKind::Boolean ? *mask : mx::astype(*mask, mx::float32, s));
-  }
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
+  const DecodeAttention::Params p = decode_inputs("shoal decoder_stack", B, plan.Hq, plan.D, index, dims, traditional,
+                                                  base, rope_scale, offset, scale, freqs, mask, inputs, s);
   inputs.insert(inputs.end(), plan.arrays.begin(), plan.arrays.end());
   inputs.insert(inputs.end(), keys.begin(), keys.end());
   inputs.insert(inputs.end(), values.begin(), values.end());
-  DecodeAttention::Params p{index, dims, traditional, base.value_or(0.0f), rope_scale, scale, freqs.has_value(), kind};
   return mx::array(x.shape(), mx::float32, std::make_shared<DecoderStack>(mx::to_stream(s), plan, p),
                    std::move(inputs));
 }
@@ -124,7 +105,8 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   // Raw pointers for the task: MLX keeps every input's buffer alive until it has run.
   struct Bounds {
     const float *norm, *q_norm, *k_norm, *post;
-    std::vector<Bound> p;  // q, k, v, o, gate, up, down
+    std::vector<Bound> head;  // q, k, v
+    std::vector<Bound> tail;  // o, gate, up, down
     float *kc, *vc;
     long kst[3], vst[3];
   };
@@ -134,39 +116,46 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   for (size_t l = 0; l < n; l++) {
     Bounds& b = bound[l];
     b.norm = inputs[at++].data<float>();
-    for (int i = 0; i < 3; i++) b.p.push_back(bound_at(layers[l].projections[i], inputs, at));
+    for (int i = 0; i < 3; i++) b.head.push_back(bound_at(layers[l].projections[i], inputs, at));
     b.q_norm = layers[l].qk_norm ? inputs[at++].data<float>() : nullptr;
     b.k_norm = layers[l].qk_norm ? inputs[at++].data<float>() : nullptr;
-    b.p.push_back(bound_at(layers[l].projections[3], inputs, at));
+    b.tail.push_back(bound_at(layers[l].projections[3], inputs, at));
     b.post = inputs[at++].data<float>();
-    for (int i = 4; i < 7; i++) b.p.push_back(bound_at(layers[l].projections[i], inputs, at));
+    for (int i = 4; i < 7; i++) b.tail.push_back(bound_at(layers[l].projections[i], inputs, at));
     const mx::array &k = inputs[first_cache + l], &v = inputs[first_cache + n + l];
     if (!k.flags().row_contiguous || !v.flags().row_contiguous) throw bad("caches must be row-contiguous");
     b.kc = const_cast<float*>(k.data<float>()), b.vc = const_cast<float*>(v.data<float>());
     for (int d = 0; d < 3; d++) b.kst[d] = k.strides()[d], b.vst[d] = v.strides()[d];
   }
-  const mx::array &x = inputs[0], &off = inputs[1];
-  DecodeStep step{p_, x.shape(0), Hq_, Hkv_, D_, Dv_, nullptr, nullptr, nullptr, off.data<int32_t>(),
-                  off.size() == 1 ? 0 : static_cast<long>(off.strides()[0]), nullptr, 0, nullptr, {}, nullptr, {},
+  const mx::array& x = inputs[0];
+  DecodeStep step{p_, x.shape(0), Hq_, Hkv_, D_, Dv_, nullptr, nullptr, nullptr, nullptr, nullptr, {}, nullptr, {},
                   nullptr, nullptr};
-  if (p_.freqs) step.freqs = inputs[2].data<float>(), step.freq_stride = inputs[2].strides()[0];
   std::optional<mx::array> mask_copy;
   if (mask) mask_copy = mx::array::unsafe_weak_copy(*mask);
+  // The inputs' values exist only once the stream reaches this task (their buffers already do).
   dispatch(stream(), {}, {}, [bound = std::move(bound), layers = layers_, step, mask_copy = std::move(mask_copy),
-                              xin = mx::array::unsafe_weak_copy(x), y = result.data<float>(), E = E_]() mutable {
+                              xin = mx::array::unsafe_weak_copy(x), off = mx::array::unsafe_weak_copy(inputs[1]),
+                              freqs = p_.freqs ? inputs[2].data<float>() : nullptr,
+                              freq_stride = p_.freqs ? inputs[2].strides()[0] : 0, y = result.data<float>(),
+                              E = E_]() mutable {
     thread_local std::vector<float> xcopy;
     thread_local std::vector<float> h[2], q, k, v, att;
     const long M = step.B;
     q.resize(M * step.Hq * step.D), k.resize(M * step.Hkv * step.D), v.resize(M * step.Hkv * step.Dv);
     att.resize(M * step.Hq * step.Dv);
     h[0].resize(M * E), h[1].resize(M * E);
-    step.q = q.data(), step.k = k.data(), step.v = v.data(), step.out = att.data();
+    // Rope's angles are the same for every layer: computed once a step.
+    const std::vector<float> angles = decode_angles(step.p, step.B, off.data<int32_t>(),
+                                                    off.size() == 1 ? 0 : static_cast<long>(off.strides()[0]), freqs,
+                                                    freq_stride);
+    step.q = q.data(), step.k = k.data(), step.v = v.data(), step.out = att.data(), step.angles = angles.data();
     if (mask_copy) step.mask = &*mask_copy;
     const float* in = row_major(xin, xcopy);
+    const std::vector<float*> qkv{q.data(), k.data(), v.data()};
     for (size_t l = 0; l < bound.size(); l++) {
       const Bounds& b = bound[l];
       const StackPlan::Layer& layer = (*layers)[l];
-      head_rows(in, M, E, b.norm, layer.eps, {b.p[0], b.p[1], b.p[2]}, {q.data(), k.data(), v.data()});
+      head_rows(in, M, E, b.norm, layer.eps, b.head, qkv);
       if (layer.qk_norm) {  // as the RMSNorm modules on [B, heads, 1, D]
         rms_rows(q.data(), M * step.Hq, step.D, b.q_norm, layer.qk_eps, q.data());
         rms_rows(k.data(), M * step.Hkv, step.D, b.k_norm, layer.qk_eps, k.data());
@@ -175,7 +164,7 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
       for (int d = 0; d < 3; d++) step.kst[d] = b.kst[d], step.vst[d] = b.vst[d];
       decode_step(step);
       float* out = l + 1 == bound.size() ? y : h[l % 2].data();
-      tail_rows(att.data(), in, M, E, b.post, layer.post_eps, b.p[3], b.p[4], b.p[5], b.p[6], out);
+      tail_rows(att.data(), in, M, E, b.post, layer.post_eps, b.tail[0], b.tail[1], b.tail[2], b.tail[3], out);
       in = out;
     }
   });

@@ -56,7 +56,8 @@ class _Stack:
     """Decode steps run as one operation (tests read it)."""
     written: tuple[weakref.ref[mx.array], ...] = ()
     """The caches the last step wrote in place. The same arrays again need no new check: they were
-    exclusive then, and the views taken of them since read only positions written before."""
+    exclusive then, and the views taken of them since read only positions written before. Any step
+    the per-layer way clears it (mlx-lm's cache update rewrites an array under the same object)."""
 
     def checked(self, arrays: list[mx.array]) -> bool:
         if len(arrays) != len(self.written):
@@ -159,7 +160,8 @@ class _StackedModel:
             return None  # a cache must grow (mlx-lm's update does it) or is not float32
         # MLX holds an operation's inputs until it has run, so a pipelined step finds the caches
         # the previous one is still writing shared: only new caches are checked.
-        if not stack.checked(arrays) and not self._kernels.exclusive(arrays):
+        checked = stack.checked(arrays)
+        if not checked and not self._kernels.exclusive(arrays):
             mx.eval(arrays)  # a step the per-layer way leaves them lazy
             if not self._kernels.exclusive(arrays):
                 return None
@@ -185,7 +187,8 @@ class _StackedModel:
                 c.offset = offset
                 c._idx += 1
         stack.steps += 1
-        stack.written = tuple(weakref.ref(a) for a in arrays)
+        if not checked:
+            stack.written = tuple(weakref.ref(a) for a in arrays)
         return module.norm(h)
 
 
