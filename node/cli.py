@@ -13,12 +13,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from node.config import API_KEY_ENV, add_run_flags, node_config
-from node.models import (
-    ModelResolveError,
-    default_data_dir,
-    ensure_builtin_model,
-    locate_model,
-)
+from node.models import ModelResolveError, default_data_dir, ensure_builtin_model
 from node.net.config import add_mesh_arguments, mesh_config_from_args
 
 
@@ -44,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw JSON, for scripts")
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
 
-    prepare = sub.add_parser("prepare", help="import the built-in model and the harmony vocab ahead of time")
+    prepare = sub.add_parser(
+        "prepare", help="get (download if needed) and import the built-in model, and the harmony vocab"
+    )
     prepare.add_argument("--data-dir", type=Path, default=None)
     return parser
 
@@ -63,6 +60,9 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Exit 2 when the model can never be served here: found before the start where that is cheap
+    (`node.models.preflight`), else when the node's own request for it fails (an import that fails)."""
+    from node.models.preflight import preflight
     from node.serve import run_node  # keeps `shoal models` fast: no MLX/HTTP imports
 
     _setup_logging(args.verbose)
@@ -70,13 +70,16 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = node_config(args, data_dir=data_dir, mesh=mesh_config_from_args(args, data_dir))
         if config.model is not None:
-            locate_model(config.model, data_dir)  # a typo fails now, not after the node started
+            preflight(config.model, data_dir)  # a typo or a refused .gguf fails now, not after the start
     except (ValueError, OSError) as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
     try:
         trio.run(run_node, config)
     except BaseExceptionGroup as group:  # errors from inside the node's nursery
+        if (unservable := group.subgroup(ModelResolveError)) is not None:
+            print(f"shoal: {_first_leaf(unservable)}", file=sys.stderr)
+            return 2
         if (os_errors := group.subgroup(OSError)) is None:
             raise
         print(
@@ -112,11 +115,18 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from node.models.builtin_fetch import fetch_builtin_gguf
     from node.models.harmony_vocab import prepare_harmony_vocab
 
+    _setup_logging(verbose=False)  # the download's progress
     data_dir = args.data_dir or default_data_dir()
-    print(f"built-in model: {ensure_builtin_model(data_dir)}")
-    print(f"harmony vocab:  {prepare_harmony_vocab(data_dir)}")
+    try:
+        print(f"built-in model file: {fetch_builtin_gguf(data_dir)}", flush=True)
+        print(f"built-in model:      {ensure_builtin_model(data_dir)}", flush=True)
+    except ModelResolveError as exc:
+        print(f"shoal prepare: {exc}", file=sys.stderr)
+        return 1
+    print(f"harmony vocab:       {prepare_harmony_vocab(data_dir)}")
     return 0
 
 

@@ -19,6 +19,7 @@ from node.cluster_files import Described
 from node.cluster_reader import ClusterReader
 from node.leader_control import LeaderControl
 from node.model_shapes import ShapeCache
+from node.models import ModelResolveError
 from node.net.mesh import RequestError
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
@@ -161,12 +162,13 @@ class InstanceRequests:
     async def ensure(self, source: str, replicas: int = 1) -> None:
         """For `shoal run --model X --replicas N`: once there is a leader, make sure X has N instances.
         While fewer fit, it asks again each time the number of live nodes changes (one joined: room
-        for another), within the same `ENSURE_ATTEMPTS`."""
+        for another), within the same `ENSURE_ATTEMPTS`; while none fits, it says so and waits the
+        same way. Raises `ModelResolveError` when X can never be served (it does not resolve, its
+        import fails, its files are unreadable): `shoal run` then stops with exit 2 and the reason."""
         try:
             shape = await self.shapes.get(source)
-        except ValueError as exc:
-            log.error("cannot serve %r: %s", source, exc)
-            return
+        except (ValueError, OSError) as exc:
+            raise ModelResolveError(f"cannot serve {source!r}: {exc}") from exc
         asked_with: int | None = None
         """How many nodes were alive when the leader last placed what fit."""
         for attempt in range(ENSURE_ATTEMPTS):
@@ -182,9 +184,15 @@ class InstanceRequests:
                         if replicas == 1:
                             return
                         asked_with = alive
+                    case Invalid(kind="does_not_fit"):
+                        log.warning(
+                            "%s does not fit the nodes alive now (%s); waiting for more nodes to join",
+                            shape.model,
+                            outcome.reason,
+                        )
+                        asked_with = alive
                     case NotFound() | Invalid():
-                        log.error("cannot place %s: %s", shape.model, outcome.reason)
-                        return
+                        raise ModelResolveError(f"cannot place {shape.model}: {outcome.reason}")
                     case Unavailable():
                         log.debug(
                             "placement of %s not done yet (attempt %d): %s",
@@ -196,3 +204,4 @@ class InstanceRequests:
                         assert_never(outcome)
             with trio.move_on_after(1.0):
                 await self.cluster.wait_changed()
+        log.warning("gave up asking for %s after %d attempts", shape.model, ENSURE_ATTEMPTS)

