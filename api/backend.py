@@ -14,6 +14,7 @@ from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
 from protocol.held_models import ClusterModelsView
 from protocol.ids import ModelId, RequestId
+from protocol.sampling import SamplingDefaults
 
 
 class ModelCard(BaseModel):
@@ -37,6 +38,10 @@ class ModelCard(BaseModel):
     """Weights, counting a quantized matrix at its dense size."""
     quantization: str | None = None
     """"Q4", "Q8", "MXFP4" for quantized weights, else the weights' float type ("BF16", "F32")."""
+    sampling_defaults: SamplingDefaults | None = None
+    """What the model recommends (its generation_config.json), which a request's omitted sampling
+    fields get before the server's defaults (`protocol.sampling.resolve_sampling`); None where the
+    node cannot tell (the model's files are only on other nodes)."""
 
 
 class Backend(Protocol):

@@ -129,7 +129,8 @@ def _tool_choice(request: CountTokensRequest, tools: tuple[ToolSpec, ...]) -> st
 
 
 def _sampling(request: CountTokensRequest) -> SamplingParams:
-    """Anthropic's defaults (temperature 1, no top-p or top-k limit); a count samples nothing."""
+    """The request's sampling fields; unset ones take the model's defaults, else the server's (not
+    Anthropic's temperature 1: a small local model needs its own); a count samples nothing."""
     if not isinstance(request, MessagesRequest):
         return SamplingParams()
     thinking = request.thinking
@@ -143,9 +144,9 @@ def _sampling(request: CountTokensRequest) -> SamplingParams:
         if thinking.budget_tokens >= request.max_tokens:
             raise _invalid("thinking.budget_tokens", "must be less than max_tokens")
     return SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
         max_tokens=request.max_tokens,
         stop=tuple(request.stop_sequences or ()),
     )

@@ -10,10 +10,14 @@ from starlette.routing import Route
 
 from api.backend import Backend, ModelCard
 from api.errors import ApiError
+from protocol.chat import SamplingParams
+from protocol.sampling import resolve_sampling
 
 
 def model_json(card: ModelCard) -> dict[str, Any]:
-    """OpenAI's model object, plus `context_length` once the model is loaded."""
+    """OpenAI's model object, plus `context_length` once the model is loaded and `sampling_defaults`
+    where the node can tell them: what a request that sets no sampling field runs with (the model's
+    generation_config.json over the server's defaults), and which of them the model set."""
     shape: dict[str, Any] = {
         "id": card.id,
         "object": "model",
@@ -22,6 +26,12 @@ def model_json(card: ModelCard) -> dict[str, Any]:
     }
     if card.context_length is not None:
         shape["context_length"] = card.context_length
+    if card.sampling_defaults is not None:
+        effective = resolve_sampling(SamplingParams(), card.sampling_defaults)
+        shape["sampling_defaults"] = {
+            **effective.model_dump(exclude={"seed"}),
+            "from_model": list(card.sampling_defaults.given()),
+        }
     return shape
 
 

@@ -18,11 +18,14 @@ from protocol.ids import ModelId, RequestId
 
 
 def sampling_params(options: Options) -> SamplingParams:
-    """Ollama's `options` as sampling parameters; unset ones take the chat-completions defaults."""
+    """Ollama's `options` as sampling parameters; unset ones take the model's defaults (as a
+    Modelfile's `PARAMETER`s would), else the server's."""
     return SamplingParams(
-        temperature=1.0 if options.temperature is None else options.temperature,
-        top_p=1.0 if options.top_p is None else options.top_p,
-        top_k=options.top_k or 0,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        repetition_penalty=options.repeat_penalty,
         seed=options.sampling_seed,
         max_tokens=options.max_tokens,
         stop=tuple(options.stop or ()),

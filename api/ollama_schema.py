@@ -36,12 +36,17 @@ def _unsupported(what: str) -> PydanticCustomError:
 
 
 class Options(_In):
-    """The `options` Shoal maps; unknown keys (repeat_penalty, num_thread, ...) are ignored."""
+    """The `options` Shoal maps; unknown keys (repeat_last_n, num_thread, ...) are ignored. An unset
+    sampling option takes the model's default, else the server's (`protocol.sampling`)."""
 
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     """0: no limit."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    """0: no cut."""
+    repeat_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """1: off (over the last 20 tokens, not Ollama's `repeat_last_n`, which is ignored)."""
     num_predict: int | None = None
     """Generated tokens at most; -1 or absent: no limit (see `NO_LIMIT`)."""
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP_SEQUENCES)

@@ -124,8 +124,8 @@ def to_generate_request(
         for tool in request.tools or ()
     )
     params = SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        temperature=request.temperature,
+        top_p=request.top_p,
         max_tokens=request.max_output_tokens,
     )
     return GenerateRequest(

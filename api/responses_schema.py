@@ -171,13 +171,14 @@ class ResponsesRequest(_In):
         return value
 
     def echo(self) -> dict[str, Any]:
-        """The request fields a response object repeats, with the defaults that applied."""
+        """The request fields a response object repeats, with the defaults that applied (`null`
+        temperature or top_p: the model's default, else the server's, as `/v1/models` shows)."""
         choice = self.tool_choice
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
             "tools": [tool.model_dump() for tool in self.tools or ()],
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
             "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,

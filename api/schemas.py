@@ -98,7 +98,14 @@ class ChatCompletionRequest(_In):
     max_completion_tokens: int | None = Field(None, ge=1)
     """Wins over `max_tokens` when both are given."""
     temperature: float | None = Field(None, ge=0, le=2)
+    """Omitted: the model's default, else the server's (`protocol.sampling`); so for the others."""
     top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    """An extension (vLLM's, llama.cpp's): 0 turns the limit off."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    """An extension (vLLM's and llama.cpp's server have it too): 0 turns the cut off."""
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    """An extension (vLLM's): 1 turns it off."""
     seed: int | None = None
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     """A plain string arrives here as a one-element list."""
@@ -231,8 +238,11 @@ def to_generate_request(request: ChatCompletionRequest, request_id: RequestId) -
     else:
         tool_choice = resolve_tool_choice(choice, None, tools)
     params = SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
         seed=request.seed,
         max_tokens=request.max_completion_tokens or request.max_tokens,
         stop=tuple(request.stop or ()),

@@ -27,6 +27,7 @@ from node.cluster_files import placeable
 from node.failover import Failover, FailoverConfig
 from node.instances import InstanceManager
 from node.leader_control import instance_view
+from node.model_sampling import ModelSampling
 from node.models import list_local_models
 from node.models.shape import FLOAT_DTYPES, read_safetensors_header
 from node.models.store import dir_size
@@ -67,6 +68,7 @@ class NodeBackend:
         self._failover = Failover(self._open_on, instances.entry_nodes, self._cancel_running, failover)
         """Every request this node accepts; it goes on elsewhere when its instance breaks off."""
         self._created = int(time.time())
+        self._sampling = ModelSampling(instances.data_dir)
         self.serving: GenerationServer | None = None
         """What this node runs for its peers (`serve_generations`), once registered: its counts
         show in `/health`."""
@@ -85,8 +87,9 @@ class NodeBackend:
         cards: dict[str, ModelCard] = {}
         for record in self._instances.records():
             runner = self._instances.local_runner(record.model)
+            folder = runner.spec.model_path if runner else None
             context = runner.ready_info.context_length if runner and runner.ready_info else None
-            facts = folder_facts(runner.spec.model_path) if runner else ModelFacts()
+            facts = folder_facts(folder) if folder else ModelFacts()
             card = ModelCard(
                 id=record.model,
                 created=self._created,
@@ -96,6 +99,7 @@ class NodeBackend:
                 format=facts.format,
                 parameter_count=facts.parameter_count,
                 quantization=facts.quantization,
+                sampling_defaults=self._sampling.defaults(record.manifest, folder),
             )
             cards.setdefault(record.model, card)
         return list(cards.values())

@@ -40,28 +40,30 @@ class ToolSpec(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """How a request's tokens are picked and when it ends; the one type every path samples from.
+    """How a request asks for its tokens to be picked, and when it ends.
 
-    A runner samples with it in one process and the last pipeline stage in an N-stage instance
-    (which gets `temperature`, `top_p` and `seed` in the first frame), both through
+    A sampling field left None was not given: the runner fills it with the model's default or the
+    server's (`protocol.sampling.resolve_sampling`), so that an omitted `temperature` means "what this
+    model is meant to run at", not 1.0. The resolved settings are what a runner samples with in one
+    process and what the last stage of an N-stage instance gets in its first frame, both through
     `node.pipeline.shard.request_sampler`, so a seeded request gets the same tokens on either.
     """
 
     model_config = ConfigDict(frozen=True)
-    temperature: float = 1.0
+    temperature: float | None = None
     """0: greedy (argmax)."""
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float | None = None
+    top_k: int | None = None
     """Sample only among the k most likely tokens; 0: no limit (Anthropic's and Ollama's `top_k`)."""
+    min_p: float | None = None
+    """Drop tokens less likely than min_p times the most likely one; 0: no cut."""
+    repetition_penalty: float | None = None
+    """Divide the logits of recently generated tokens by this; 1: off (Ollama's `repeat_penalty`)."""
     seed: int | None = None
     """Set: the request draws from its own PRNG key, so its tokens depend only on seed and model."""
     max_tokens: int | None = None
     """None: up to the end of the model's context."""
     stop: tuple[str, ...] = ()
-
-
-GREEDY = SamplingParams(temperature=0.0)
-"""Argmax decoding: what the pipeline driver does when it is given no sampling parameters."""
 
 
 class Resume(BaseModel):

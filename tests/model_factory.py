@@ -31,9 +31,9 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
-    "generation_config.json",
 )
-"""Copied from `tokenizer_from` when present; config.json and weights never are."""
+"""Copied from `tokenizer_from` when present; config.json, weights and generation_config.json (the
+donor's sampling defaults, which would not suit random weights) never are."""
 WEIGHT_SCALE = 0.02
 
 

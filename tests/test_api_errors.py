@@ -91,6 +91,10 @@ CASES = [
     Bad("temperature is a string", 400, "invalid_type", "temperature", json=chat(temperature="hot")),
     Bad("temperature above 2", 400, "invalid_value", "temperature", json=chat(temperature=2.5)),
     Bad("top_p of 0", 400, "invalid_value", "top_p", json=chat(top_p=0)),
+    Bad("min_p above 1", 400, "invalid_value", "min_p", json=chat(min_p=1.5)),
+    Bad("min_p is a string", 400, "invalid_type", "min_p", json=chat(min_p="low")),
+    Bad("top_k below 0", 400, "invalid_value", "top_k", json=chat(top_k=-1)),
+    Bad("repetition_penalty 0", 400, "invalid_value", "repetition_penalty", json=chat(repetition_penalty=0)),
     Bad("max_tokens of 0", 400, "invalid_value", "max_tokens", json=chat(max_tokens=0)),
     Bad(
         "max_completion_tokens of 0",
@@ -159,6 +163,14 @@ def test_bad_request(http: httpx.Client, random_node: RunningNode, bad: Bad) -> 
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["code"], error["param"]) == (bad.type, bad.code, bad.param)
     assert error["message"]
+
+
+def test_sampling_extensions_are_accepted(http: httpx.Client, random_node: RunningNode) -> None:
+    """min_p, top_k and repetition_penalty (vLLM's and llama.cpp's extensions of chat completions)."""
+    body = chat(min_p=0.1, top_k=5, repetition_penalty=1.1, seed=3)(random_node.model_id or "")
+    response = http.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_node_still_serves_after_bad_requests(http: httpx.Client, random_node: RunningNode) -> None:

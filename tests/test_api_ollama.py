@@ -117,13 +117,18 @@ def test_unmapped_options_and_fields_are_ignored(client: ollama.Client, model: s
     options = {
         **GREEDY,
         "num_ctx": 999_999,
-        "repeat_penalty": 1.1,
+        "repeat_last_n": 32,
         "num_thread": 2,
         "mirostat": 0,
         "seed": -1,
     }
     response = client.chat(model=model, messages=MESSAGES, options=options, keep_alive="5m", think=False)
     _check_final(response)
+
+
+def test_sampling_options_are_accepted(client: ollama.Client, model: str) -> None:
+    options = {"num_predict": 12, "min_p": 0.1, "top_k": 5, "repeat_penalty": 1.1, "seed": 3}
+    _check_final(client.chat(model=model, messages=MESSAGES, options=options))
 
 
 def test_model_named_with_the_latest_tag(client: ollama.Client, model: str) -> None:
@@ -233,6 +238,8 @@ CASES = [
     Bad("temperature below 0", 400, "options.temperature", json=body(options={"temperature": -1})),
     Bad("top_p of 0", 400, "options.top_p", json=body(options={"top_p": 0})),
     Bad("top_k below 0", 400, "options.top_k", json=body(options={"top_k": -1})),
+    Bad("min_p above 1", 400, "options.min_p", json=body(options={"min_p": 1.5})),
+    Bad("repeat_penalty of 0", 400, "options.repeat_penalty", json=body(options={"repeat_penalty": 0})),
     Bad("num_predict of 0", 400, "num_predict", json=body(options={"num_predict": 0})),
     Bad("num_predict is a float", 400, "options.num_predict", json=body(options={"num_predict": 2.5})),
     Bad(

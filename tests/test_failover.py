@@ -36,6 +36,7 @@ from protocol.events import (
     ToolCall,
 )
 from protocol.ids import ModelId, NodeId, RequestId
+from protocol.sampling import SamplingDefaults, resolve_sampling
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(240)
@@ -99,7 +100,7 @@ ANSWER = (  # ">." is one token, which completes the tool call and starts text: 
 @pytest.fixture(scope="module")
 def loaded(builtin_model_dir: Path) -> LoadedModel:
     tokenizer = load_tokenizer(builtin_model_dir)
-    return loaded_model(None, tokenizer, {"model_type": "llama"}, vocab_dir=None)
+    return loaded_model(None, tokenizer, {"model_type": "llama"}, vocab_dir=None, folder=builtin_model_dir)
 
 
 def _request(params: SamplingParams, resume: Resume | None = None, rid: str = "r") -> GenerateRequest:
@@ -115,7 +116,10 @@ def _request(params: SamplingParams, resume: Resume | None = None, rid: str = "r
 def _run(loaded: LoadedModel, tokens: list[int], resume: Resume | None) -> list[ChunkEvent]:
     """Events of a generation of `tokens` (as a runner feeds them), resumed from `resume`."""
     params = SamplingParams(temperature=0, stop=("STOP",), max_tokens=len(tokens) + 5)
-    admitted = Admitted(_request(params, resume), prompt=[1, 2, 3], max_tokens=len(tokens) + 5)
+    sampling = resolve_sampling(params, SamplingDefaults())
+    admitted = Admitted(
+        _request(params, resume), prompt=[1, 2, 3], max_tokens=len(tokens) + 5, sampling=sampling
+    )
     events: list[ChunkEvent] = []
     output = RequestOutput(loaded, admitted, events.append)
     if (ended := output.replay(admitted)) is not None:
@@ -282,6 +286,7 @@ def test_forced_tokens_leave_a_seeded_generation_where_it_was(random_model_dir: 
     gives the rest of the uninterrupted run's tokens (the 2- and 3-stage ring: the node tests)."""
     driver = PipelineGenerator(load_shard(random_model_dir, start=0))
     prompt = list(range(100, 140))
-    whole = list(driver.generate(prompt, max_tokens=30, sampling=SEEDED))
-    resumed = list(driver.generate(prompt, max_tokens=30, sampling=SEEDED, forced=whole[:12]))
+    seeded = resolve_sampling(SEEDED, SamplingDefaults())
+    whole = list(driver.generate(prompt, max_tokens=30, sampling=seeded))
+    resumed = list(driver.generate(prompt, max_tokens=30, sampling=seeded, forced=whole[:12]))
     assert resumed == whole

@@ -27,7 +27,7 @@ from node.pipeline.driver import PipelineGenerator
 from node.pipeline.hop import HopError
 from node.pipeline.shard import even_split, load_shard, request_sampler
 from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
-from protocol.chat import GREEDY, SamplingParams
+from protocol.sampling import GREEDY, Sampling
 from tests.model_factory import make_random_model
 from tests.waiting import wait_until
 
@@ -64,7 +64,7 @@ def single_process(
     *,
     max_tokens: int,
     prefill_step_size: int = 2048,
-    sampling: SamplingParams = GREEDY,
+    sampling: Sampling = GREEDY,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Tokens and progress reports of `stream_generate` on the whole model, as the engine runs it."""
     model, tokenizer = _single(model_dir)
@@ -169,7 +169,7 @@ def test_greedy_tokens_match_one_process(random_ring: PipelineGenerator, six_lay
 
 def test_seeded_sampling_matches_one_process(random_ring: PipelineGenerator, six_layers: Path) -> None:
     prompt = _prompt(six_layers)
-    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    sampling = Sampling(temperature=0.9, top_p=0.95, top_k=40, min_p=0.05, seed=1234)
     expected, _ = single_process(six_layers, prompt, max_tokens=16, sampling=sampling)
     tokens, _ = run(random_ring, six_layers, prompt, max_tokens=16, sampling=sampling)
     assert tokens == expected

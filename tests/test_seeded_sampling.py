@@ -27,6 +27,7 @@ from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import ChatMessage, GenerateRequest, SamplingParams
 from protocol.events import ChunkEvent, Finish, TextDelta
 from protocol.ids import ModelId, RequestId
+from protocol.sampling import Sampling
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,12 +39,12 @@ def test_a_seeded_sampler_ignores_every_other_draw() -> None:
     """What MLX's global generator (`mx.random.seed`) does not give: two requests sampled in turn,
     with unrelated draws between them, get the tokens each gets alone."""
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 512), key=mx.random.key(0))))
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    params = Sampling(temperature=0.9, top_p=0.95, top_k=0, min_p=0.0, seed=1234)
 
     def token(sampler: Sampler) -> int:
         return cast(int, sampler(logprobs).item())
 
-    def alone(p: SamplingParams) -> list[int]:
+    def alone(p: Sampling) -> list[int]:
         sampler = request_sampler(p)
         return [token(sampler) for _ in range(12)]
 
@@ -62,10 +63,10 @@ def test_top_k_draws_only_among_the_k_most_likely(seed: int | None) -> None:
     """Anthropic's and Ollama's `top_k`; a k at or above the vocabulary keeps every token."""
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(1))))
     top3 = set(cast(list[int], mx.argsort(-logprobs[0])[:3].tolist()))
-    sampler = request_sampler(SamplingParams(temperature=5.0, top_k=3, seed=seed))
+    sampler = request_sampler(Sampling(temperature=5.0, top_p=1.0, top_k=3, min_p=0.0, seed=seed))
     drawn = {cast(int, sampler(logprobs).item()) for _ in range(60)}
     assert drawn <= top3 and len(drawn) > 1
-    everything = request_sampler(SamplingParams(temperature=5.0, top_k=64, seed=seed))
+    everything = request_sampler(Sampling(temperature=5.0, top_p=1.0, top_k=64, min_p=0.0, seed=seed))
     assert len({cast(int, everything(logprobs).item()) for _ in range(60)}) > 3
 
 

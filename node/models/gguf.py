@@ -11,7 +11,8 @@
    `quantization` section, with a per-module entry wherever the bits differ from the default;
 3. renames tensors to Hugging Face names and, for llama, undoes llama.cpp's q/k row permutation
    on the rows of all three parts alike (rows are output features); see `gguf_arch`;
-4. writes config.json and the tokenizer files (see `gguf_tokenizer`), all in a hidden staging
+4. writes config.json, the tokenizer files (see `gguf_tokenizer`) and, when the file or its family
+   recommends sampling settings, generation_config.json (see `gguf_sampling`), all in a hidden staging
    folder renamed into place, so an interrupted import never leaves a folder that looks complete.
 
 `ensure_gguf_model` (what the node calls) runs the import in a child process: the weights pass
@@ -37,9 +38,10 @@ __all__ = ["GGUFImportError", "ensure_gguf_model", "import_gguf"]
 
 log = logging.getLogger("shoal.models")
 
-IMPORTER_VERSION = 2
+IMPORTER_VERSION = 3
 """Bump when the import's output changes: cached imports with an older version are redone.
-2: weights kept quantized (MLX affine), qwen2/qwen3, llama3 rope factors."""
+2: weights kept quantized (MLX affine), qwen2/qwen3, llama3 rope factors.
+3: generation_config.json with the sampling defaults (`gguf_sampling`)."""
 MARKER_FILE = "shoal_import.json"
 """Written last into an imported folder: which file (path, size, mtime) it was made from, and how."""
 WEIGHTS_FILE = "model.safetensors"

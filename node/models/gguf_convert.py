@@ -35,8 +35,10 @@ from node.models.gguf_quants import (
     row_chunks,
 )
 from node.models.gguf_safetensors import SafetensorsWriter
+from node.models.gguf_sampling import gguf_generation_config
 from node.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
 from node.models.store import publish_dir, staging_dir
+from node.runner.generation_config import GENERATION_CONFIG
 
 
 def read_gguf(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any]]:
@@ -150,6 +152,7 @@ def convert(gguf_path: Path, out_dir: Path) -> str:
     except GGUFTokenizerError as exc:
         raise GGUFImportError(f"{gguf_path}: {exc}") from exc
     tok_config = tokenizer_config(meta, context_length=config["max_position_embeddings"])
+    generation = gguf_generation_config(meta)
 
     specs = {name: spec for t in tensors for name, spec in t.specs().items()}
     with staging_dir(out_dir) as staging:
@@ -159,6 +162,8 @@ def convert(gguf_path: Path, out_dir: Path) -> str:
         _write_json(staging / "config.json", config)
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tok_config)
+        if generation is not None:
+            _write_json(staging / GENERATION_CONFIG, generation)
         _write_json(staging / MARKER_FILE, source_stamp(gguf_path))  # last: the import is complete
         publish_dir(staging, out_dir)
     return _summary(gguf_path, tensors)

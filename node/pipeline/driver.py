@@ -41,10 +41,8 @@ from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import CONNECT_TIMEOUT, HOP_TIMEOUT, HopError
 from node.pipeline.ring import Cancelled, Ring
 from node.pipeline.shard import Shard, forcing, request_sampler
-from protocol.chat import GREEDY, SamplingParams
+from protocol.sampling import GREEDY, Sampling
 
-SAMPLER_FIELDS = {"temperature", "top_p", "top_k", "seed"}
-"""What the last stage needs of a request's `SamplingParams` (sent in its first frame)."""
 MAX_CHUNKS_IN_FLIGHT = 2
 """Prefill chunks sent but not yet acknowledged: 2 keeps the next stage busy while this one works
 on the following chunk, without queueing a whole prompt's activations in socket buffers."""
@@ -147,7 +145,7 @@ class PipelineGenerator:
         prompt_tokens: Sequence[int] | mx.array,
         *,
         max_tokens: int,
-        sampling: SamplingParams | None = None,
+        sampling: Sampling | None = None,
         forced: Sequence[int] = (),
         eos_token_ids: Collection[int] = (),
         prefill_step_size: int = 2048,
@@ -194,7 +192,7 @@ class PipelineGenerator:
         self,
         prompt: mx.array,
         max_tokens: int,
-        sampling: SamplingParams,
+        sampling: Sampling,
         forced: Sequence[int],
         eos: Collection[int],
         step: int,
@@ -238,7 +236,7 @@ class PipelineGenerator:
         self,
         prompt: mx.array,
         max_tokens: int,
-        sampling: SamplingParams,
+        sampling: Sampling,
         forced: Sequence[int],
         eos: Collection[int],
         step: int,
@@ -252,7 +250,8 @@ class PipelineGenerator:
         request = next(self._requests)
         stats = self.last_stats = RingStats()
         cache = self.shard.make_cache()
-        first_meta: dict[str, Any] = {"sampling": sampling.model_dump(include=SAMPLER_FIELDS)}
+        # Every field decided here (`resolve_sampling`), so the last stage samples as a runner would.
+        first_meta: dict[str, Any] = {"sampling": sampling.model_dump()}
         total = prompt.size
         ending = Kind.CANCEL
         try:

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from protocol.chat import SamplingParams
+from protocol.sampling import REPETITION_CONTEXT, Sampling
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -96,28 +96,31 @@ def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
 Sampler = Callable[[mx.array], mx.array]
 
 
-def request_sampler(params: SamplingParams) -> Sampler:
+def request_sampler(sampling: Sampling) -> Sampler:
     """One request's sampler, the same in a runner and on a pipeline's last stage.
 
     Greedy at temperature 0 (mlx-lm's one `greedy_sampler` object, so greedy rows of a batch are
-    sampled in one call). Otherwise top-p, then top-k (mlx-lm's order), then a draw at the
-    temperature. With a seed, the request draws from its own PRNG key, split once per token: its
-    tokens depend only on the seed and the log-probs, never on the batch it shares or on which
-    process samples. Without one, it draws from MLX's global generator.
+    sampled in one call). Otherwise top-p, then min-p, then top-k (mlx-lm's `make_sampler` order,
+    using its filters), then a draw at the temperature. With a seed, the request draws from its own
+    PRNG key, split once per token: its tokens depend only on the seed and the log-probs, never on
+    the batch it shares or on which process samples. Without one, it draws from MLX's global
+    generator. The repetition penalty is not a sampler's: see `logits_processors`.
     """
-    from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-    if params.temperature == 0:
+    if sampling.temperature == 0:
         greedy: Sampler = make_sampler(temp=0.0)
         return greedy
     # Any integer seeds (clients send negative ones); MLX keys take 0 <= seed < 2**64.
-    key = None if params.seed is None else mx.random.key(params.seed % 2**64)
-    scale, top_p, top_k = 1.0 / params.temperature, params.top_p, params.top_k
+    key = None if sampling.seed is None else mx.random.key(sampling.seed % 2**64)
+    scale, top_p, min_p, top_k = 1.0 / sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
         if 0 < top_k < logprobs.shape[-1]:  # mlx-lm rejects k >= vocab; that k keeps every token
             logprobs = apply_top_k(logprobs, top_k)
         if key is None:
@@ -126,6 +129,24 @@ def request_sampler(params: SamplingParams) -> Sampler:
         return mx.random.categorical(logprobs * scale, key=sub)
 
     return sample
+
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""mlx-lm's: (the tokens so far, logits [1, vocab]) -> logits, applied before the sampler."""
+
+
+def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
+    """The repetition penalty as mlx-lm's logits processor (none when it is 1): it needs the tokens
+    generated so far, which a runner's generator keeps (`BatchGenerator`, `generate_step`); a
+    pipeline's last stage sees only hidden states, so a split instance runs without it."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    if sampling.repetition_penalty == 1.0:
+        return []
+    processors: list[LogitsProcessor] = make_logits_processors(
+        repetition_penalty=sampling.repetition_penalty, repetition_context_size=REPETITION_CONTEXT
+    )
+    return processors
 
 
 def forcing(sampler: Sampler, tokens: Sequence[int]) -> Sampler:

@@ -55,7 +55,7 @@ from node.pipeline.hop import (
 )
 from node.pipeline.shard import Sampler, Shard, load_shard, request_sampler
 from node.pipeline.stage_wire import READY_MAX_BYTES, StageReady, decode_ready, encode_ready, stage_command
-from protocol.chat import SamplingParams
+from protocol.sampling import GREEDY, Sampling
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -194,7 +194,7 @@ class StageServer:
             if frame.position != 0:
                 raise StepError(f"request {frame.request} is unknown here (its cache was dropped)")
             sampler = (
-                request_sampler(SamplingParams.model_validate(frame.meta.get("sampling", {})))
+                request_sampler(Sampling.model_validate(frame.meta.get("sampling", GREEDY.model_dump())))
                 if spec.is_last
                 else None
             )

@@ -23,8 +23,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from node.cpu.dtype import apply_dtype_policy
-from node.pipeline.shard import Sampler, forcing, request_sampler
+from node.pipeline.shard import LogitsProcessor, Sampler, forcing, logits_processors, request_sampler
 from node.runner.formats import ChatFormat, PromptError, chat_format_for
+from node.runner.generation_config import read_sampling_defaults
 from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
 from protocol.chat import GenerateRequest
@@ -40,6 +41,7 @@ from protocol.events import (
     ToolCall,
     Usage,
 )
+from protocol.sampling import Sampling, SamplingDefaults, resolve_sampling
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class LoadedModel:
     chat_format: ChatFormat
     model_type: str
     context_length: int
+    sampling: SamplingDefaults
+    """The model's own defaults (its generation_config.json), under every request's fields."""
 
 
 def load_model(path: Path, *, vocab_dir: Path | None) -> LoadedModel:
@@ -64,19 +68,22 @@ def load_model(path: Path, *, vocab_dir: Path | None) -> LoadedModel:
         tuple[Any, Any, dict[str, Any]], load(str(path), return_config=True, lazy=True)
     )
     apply_dtype_policy(model)
-    return loaded_model(model, tokenizer, config, vocab_dir=vocab_dir)
+    return loaded_model(model, tokenizer, config, vocab_dir=vocab_dir, folder=path)
 
 
 def loaded_model(
-    model: Any, tokenizer: Any, config: dict[str, Any], *, vocab_dir: Path | None
+    model: Any, tokenizer: Any, config: dict[str, Any], *, vocab_dir: Path | None, folder: Path
 ) -> LoadedModel:
-    """The `LoadedModel` of an already loaded model (or pipeline shard) and its tokenizer."""
+    """The `LoadedModel` of an already loaded model (or pipeline shard) from `folder`, and its tokenizer."""
     model_type = str(config.get("model_type", "unknown"))
     chat_format = chat_format_for(model_type, tokenizer, vocab_dir=vocab_dir)
     # Format-specific end tokens (harmony's <|return|>, <|call|>) end generation like EOS does.
     tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(chat_format.stop_token_ids)
     context = config.get("max_position_embeddings") or config.get("max_seq_len") or DEFAULT_CONTEXT_LENGTH
-    return LoadedModel(model, tokenizer, chat_format, model_type, int(context))
+    sampling = read_sampling_defaults(folder)
+    if given := sampling.given():
+        log.info("sampling defaults from %s: %s", folder.name, sampling.model_dump(include=set(given)))
+    return LoadedModel(model, tokenizer, chat_format, model_type, int(context), sampling)
 
 
 def _too_long(message: str) -> GenerationError:
@@ -102,6 +109,8 @@ class Admitted:
     request: GenerateRequest
     prompt: list[int]
     max_tokens: int
+    sampling: Sampling
+    """The request's fields over the model's defaults over the server's (`resolve_sampling`)."""
 
     @property
     def replayed(self) -> tuple[int, ...]:
@@ -109,8 +118,7 @@ class Admitted:
 
     @property
     def forced(self) -> bool:
-        params = self.request.params
-        return bool(self.replayed) and params.temperature > 0 and params.seed is not None
+        return bool(self.replayed) and self.sampling.temperature > 0 and self.sampling.seed is not None
 
     @property
     def context(self) -> list[int]:
@@ -123,8 +131,12 @@ class Admitted:
         return self.max_tokens if self.forced else self.max_tokens - len(self.replayed)
 
     def sampler(self) -> Sampler:
-        sampler = request_sampler(self.request.params)
+        sampler = request_sampler(self.sampling)
         return forcing(sampler, self.replayed) if self.forced else sampler
+
+    def processors(self) -> list[LogitsProcessor]:
+        """What runs on the logits before the sampler: the repetition penalty, if any."""
+        return logits_processors(self.sampling)
 
 
 def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | TerminalEvent:
@@ -148,7 +160,8 @@ def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | TerminalE
             f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
             f"context of {loaded.context_length} tokens"
         )
-    return Admitted(request, list(prompt), max_tokens if max_tokens is not None else room)
+    sampling = resolve_sampling(request.params, loaded.sampling)
+    return Admitted(request, list(prompt), max_tokens if max_tokens is not None else room, sampling)
 
 
 class RequestOutput:
@@ -307,6 +320,7 @@ def generate(
                 loaded.model,
                 max_tokens=admitted.remaining,
                 sampler=admitted.sampler(),
+                logits_processors=admitted.processors(),
                 prefill_step_size=prefill_step_size,
                 prompt_progress_callback=on_progress,
             )

@@ -33,7 +33,13 @@ def load_pipeline(
     shard = load_shard(path, start=0, end=end, prepare=apply_dtype_policy)
     config = shard.config
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    loaded = loaded_model(shard, tokenizer, config, vocab_dir=vocab_dir)
+    loaded = loaded_model(shard, tokenizer, config, vocab_dir=vocab_dir, folder=path)
+    if loaded.sampling.repetition_penalty not in (None, 1.0):
+        log.warning(
+            "this model's repetition_penalty %s is not applied in a pipeline: the last stage samples "
+            "from hidden states and never sees the tokens it penalizes",
+            loaded.sampling.repetition_penalty,
+        )
     driver = PipelineGenerator(shard, stages=[parse_address(s) for s in stages], host=host)
     return loaded, driver
 
@@ -68,7 +74,7 @@ def run_one(
             driver.generate(
                 admitted.context,
                 max_tokens=admitted.remaining,
-                sampling=request.params,
+                sampling=admitted.sampling,
                 forced=admitted.replayed if admitted.forced else (),
                 eos_token_ids=eos,
                 prefill_step_size=prefill_step_size,

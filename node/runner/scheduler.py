@@ -184,6 +184,7 @@ class Scheduler:
                     caches=[cache] if cache is not None else None,
                     all_tokens=[prompt[:cached]],
                     samplers=[admitted.sampler()],
+                    logits_processors=[admitted.processors()],
                     stop_sequences=[self._eos],
                 )
             except Exception as exc:  # a fault in one request fails that request, not the batch
