@@ -3,7 +3,8 @@
 A request goes to this node's runner when the model's instance starts here; otherwise over libp2p to
 the node that holds the instance's first stage, whose events come straight back (never via the leader).
 A request for an instance that starts here but has no runner yet (its files still coming, its later
-stages loading) waits for the runner, up to `load_wait_s`.
+stages loading) waits for the runner, up to `load_wait_s`, unless no node can get the model's files
+(`files_unavailable`): then it ends at once with that reason, failover included.
 Instance requests are forwarded to the leader.
 """
 
@@ -23,7 +24,7 @@ import trio
 
 from api.backend import ModelCard
 from node.cluster import ClusterService
-from node.cluster_files import placeable
+from node.cluster_files import files_unavailable, placeable
 from node.failover import Failover, FailoverConfig
 from node.instances import InstanceManager
 from node.leader_control import instance_view
@@ -39,6 +40,7 @@ from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, GenerationError
 from protocol.held_models import ClusterModelsView, node_models
 from protocol.ids import NodeId, RequestId
+from protocol.model_files import FILES_UNAVAILABLE
 
 
 class RemoteStreams(Protocol):
@@ -138,28 +140,37 @@ class NodeBackend:
     async def _open_once_loaded(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
         """Enter this node's runner for the model once it has one, waiting up to `load_wait_s` (the
         instance's files moving here, its later stages loading); past that, or as soon as this node
-        takes no requests for the model any more, the one `model_loading` error. Cancellable."""
-        runner = None
+        takes no requests for the model any more, the one `model_loading` error; as soon as no node
+        can get the model's files, the `model_files_unavailable` error, which failover passes on.
+        Cancellable."""
+        runner: RunnerSupervisor | GenerationError | None = None
         with trio.move_on_after(self._load_wait_s):
             runner = await self._runner_once_started(request.model)
-        if runner is None:
+        if not isinstance(runner, RunnerSupervisor):
             loading = GenerationError(
                 error_kind="server_error",
                 message=f"model {request.model!r} is not running on this node (yet); retry shortly",
                 code="model_loading",
             )
-            async with _single_event(loading) as events:
+            async with _single_event(runner or loading) as events:
                 yield events
             return
         async with runner.open_stream(request) as events:
             yield events
 
-    async def _runner_once_started(self, model: str) -> RunnerSupervisor | None:
+    async def _runner_once_started(self, model: str) -> RunnerSupervisor | GenerationError | None:
         """This node's runner for `model` as soon as there is one; None once this node is no entry of
-        `model` (its instance deleted or moved). Unbounded: the caller bounds it."""
+        `model` (its instance deleted or moved); the error once no node can get its files (rechecked
+        at each reconcile, which follows every cluster change). Unbounded: the caller bounds it."""
         while (runner := self._instances.local_runner(model)) is None:
             if self._cluster.me not in self._instances.entry_nodes(model):
                 return None
+            if (why := files_unavailable(self._cluster, model)) is not None:
+                return GenerationError(
+                    error_kind="server_error",
+                    message=f"model {model!r} cannot run: {why}",
+                    code=FILES_UNAVAILABLE,
+                )
             await self._instances.wait_hosted_changed()
         return runner
 

@@ -4,11 +4,14 @@
   hashed into its manifest (in a worker thread; the hash cache makes it a stat per file after the
   first time, restarts included) and offered to the cluster's members; the place request carries it.
 - `folder_for(record, stage)`: the folder a stage placed here runs from: a copy this node serves
-  whole already, or the one the record's source names here when it has this very content (a folder
-  every node sees; found without importing or downloading anything), else the files the stage
-  needs (config, tokenizer and only its own shards), fetched into
-  `<data_dir>/models/cluster/<manifest id>/` from the live peers that advertise them, and offered
-  in turn. Raises `FetchError` (reported on the board), `ValueError` or `OSError`.
+  whole already, or its own copy with this very content (`node.files.local_copy`: the folder the
+  record's source names here, or a fresh import of the .gguf it came from when this node has that
+  file, e.g. the built-in model's), else the files the stage needs (config, tokenizer and only its
+  own shards), fetched into `<data_dir>/models/cluster/<manifest id>/` from the live peers that
+  advertise them, and offered in turn. Raises `FetchError` (reported on the board and told to the
+  cluster at once), `ValueError` or `OSError`.
+- `files_unavailable(cluster, model)`: why no node can get a placed model's files (no live holder,
+  no hub repo, no stage node with a copy of its own), for requests that would otherwise wait.
 - `records()`: what the cluster driver writes at each heartbeat: the holdings (so peers know whom
   to ask) and the transfers (progress, for `/v1/cluster` and `shoal status`).
 - `offer_stored()`: at start, the models fetched before a restart are offered again.
@@ -32,9 +35,10 @@ from node.cluster_reader import ClusterReader
 from node.files import Fetcher, FetchError, FileServer, HashCache, HubRef, Peer, cluster_model_dir
 from node.files.folders import CLUSTER_SUBDIR
 from node.files.hashing import folder_manifest
-from node.models import ResolvedModel, builtin_gguf_path, locate_model, resolve_model
+from node.files.local_copy import gguf_of, own_copy
+from node.models import resolve_model
 from node.models.disk import make_room, mark_used
-from node.models.store import LocalModel, is_model_dir, models_dir
+from node.models.store import LocalModel, models_dir
 from protocol.cluster_records import (
     MAX_ERROR_CHARS,
     MAX_HOLDINGS,
@@ -45,9 +49,16 @@ from protocol.cluster_records import (
     NodeTransfers,
     StageAssignment,
 )
+from protocol.ids import NodeId
 from protocol.manifest import Manifest, metadata_paths
 from protocol.membership import Status
-from protocol.model_files import file_holders, holding_of
+from protocol.model_files import (
+    file_holders,
+    files_unobtainable,
+    heard_holders,
+    holders_gone,
+    holding_of,
+)
 
 log = logging.getLogger("shoal.files")
 
@@ -83,13 +94,20 @@ def live_members(cluster: FilesCluster) -> set[str]:
     return {n for n, m in members if m.status in (Status.ALIVE, Status.SUSPECT)} | {cluster.me}
 
 
-def _gguf_of(source: str, resolved: ResolvedModel) -> Path | None:
-    """The .gguf a folder was imported from, recorded in its manifest (`derived_from`)."""
-    if resolved.source == "gguf":
-        return Path(source.strip()).expanduser().resolve()
-    if resolved.source == "builtin":
-        return builtin_gguf_path()
-    return None
+def alive_nodes(cluster: ClusterReader) -> set[NodeId]:
+    """The members alive now, this node included: who can send files (a suspect may be gone)."""
+    alive = {n for n, m in cluster.view.members.items() if m.status is Status.ALIVE}
+    return alive | {cluster.me}
+
+
+def files_unavailable(cluster: ClusterReader, model: str) -> str | None:
+    """Why no instance of `model` can get its files (the first one's reason), or None when one can,
+    or none is placed (`protocol.model_files.files_unobtainable`): a request for it ends at once."""
+    state = cluster.state
+    holdings, transfers, live = state.holdings(), state.transfers(), alive_nodes(cluster)
+    records = [r for r in state.instances().values() if r.model == model]
+    reasons = [files_unobtainable(r, holdings, transfers, live) for r in records]
+    return reasons[0] if reasons and all(reasons) else None
 
 
 def _write_sidecar(folder: Path, manifest: Manifest, model: str) -> None:
@@ -160,7 +178,10 @@ class ClusterFiles:
         resolved = await trio.to_thread.run_sync(resolve_model, source, self._data_dir)
         manifest = await trio.to_thread.run_sync(
             functools.partial(
-                folder_manifest, resolved.path, self._cache, derived_from=_gguf_of(source, resolved)
+                folder_manifest,
+                resolved.path,
+                self._cache,
+                derived_from=gguf_of(source, resolved, self._data_dir),
             )
         )
         await self._offer(manifest, resolved.path, resolved.name)
@@ -228,6 +249,8 @@ class ClusterFiles:
         store folder is marked used, which orders `--max-model-bytes` evictions (a folder the user
         named is never written to)."""
         folder = await self._folder_for(record, stage)
+        if record.manifest is not None:  # a failure to get these files is past: show it no more
+            self.fetcher.board.forget_failed(record.manifest.id)
         if folder.resolve().is_relative_to(models_dir(self._data_dir).resolve()):
             await trio.to_thread.run_sync(mark_used, folder)
         return folder
@@ -241,13 +264,19 @@ class ClusterFiles:
         held = self._held.get(manifest.id)
         if held is not None and self.server.offered().get(manifest.id) == {f.path for f in manifest.files}:
             return held[1]
-        if (own := await self._own_copy(record.source or record.model, manifest, record.model)) is not None:
+        source = record.source or record.model
+        own = await trio.to_thread.run_sync(own_copy, source, manifest, self._data_dir, self._cache)
+        if own is not None:
+            log.info("%s (%s) runs from this node's own copy in %s", record.model, manifest.id[:12], own)
+            await self._offer(manifest, own, record.model)
             return own
         target = cluster_model_dir(self._data_dir, manifest.id)
         peers = await self._wait_for_holders(manifest)
         hub = HubRef(record.hub_repo, self._data_dir) if record.hub_repo else None
-        await self._make_room(record, stage, target)
         try:
+            if not peers and hub is None:
+                raise FetchError(self._nowhere(manifest, record.model))
+            await self._make_room(record, stage, target)
             if len(record.stages) == 1:
                 folder = await self.fetcher.fetch(manifest, target, peers, hub=hub, model=record.model)
             else:
@@ -261,36 +290,19 @@ class ClusterFiles:
                     model=record.model,
                 )
         except FetchError as exc:
-            self._report(manifest, record.model, str(exc))
+            await self._report(manifest, record.model, str(exc))
             raise
         if folder == target:
             await trio.to_thread.run_sync(_write_sidecar, target, manifest, record.model)
         await self._offer(manifest, folder, record.model)
         return folder
 
-    async def _own_copy(self, source: str, manifest: Manifest, model: str) -> Path | None:
-        """The folder `source` names on this node, if it is there already with this very content
-        (a folder every node sees, an earlier import or download): nothing is imported or
-        downloaded to find out, only an existing folder hashed (cached)."""
-
-        def find() -> Path | None:
-            try:
-                located = locate_model(source, self._data_dir)
-                gguf = _gguf_of(source, located)
-                if not is_model_dir(located.path) or (gguf is not None and not gguf.is_file()):
-                    return None
-                here = folder_manifest(located.path, self._cache, derived_from=gguf)
-            except (ValueError, OSError):  # not here, or not readable: fetch it instead
-                return None
-            return located.path if here == manifest else None
-
-        if (found := await trio.to_thread.run_sync(find)) is not None:
-            await self._offer(manifest, found, model)
-        return found
-
     async def _wait_for_holders(self, manifest: Manifest) -> list[Peer]:
-        """The peers that hold files of `manifest`, waiting a little for the first one (bounded)."""
+        """The peers that hold files of `manifest`, waiting a little for the first one (bounded),
+        unless those heard of holding them are all gone."""
         peers = self._peers(manifest)
+        if not peers and holders_gone(manifest, self._cluster.state.holdings(), self._others_alive()):
+            return peers
         with trio.move_on_after(HOLDERS_WAIT_S):
             for _check in range(HOLDERS_WAIT_CHECKS):
                 if peers:
@@ -302,9 +314,21 @@ class ClusterFiles:
     def _peers(self, manifest: Manifest) -> list[Peer]:
         state = self._cluster.state
         urls = {node: profile.api_url for node, profile in state.profiles().items()}
-        live = {n for n, m in self._cluster.view.members.items() if m.status is Status.ALIVE}
-        holders = file_holders(manifest, state.holdings(), urls, live, self._cluster.me)
+        holders = file_holders(manifest, state.holdings(), urls, self._others_alive(), self._cluster.me)
         return [Peer(h.node, h.url, h.paths) for h in holders]
+
+    def _others_alive(self) -> set[NodeId]:
+        return alive_nodes(self._cluster) - {self._cluster.me}
+
+    def _nowhere(self, manifest: Manifest, model: str) -> str:
+        """Why no source of `manifest` is left, naming the holders that are gone."""
+        known = heard_holders(manifest, self._cluster.state.holdings()) - {self._cluster.me}
+        gone = sorted(node[-8:] for node in known)
+        held = f" (the node(s) that held them, {', '.join(gone)}, are gone)" if gone else ""
+        return (
+            f"no peer holds the files of {model!r}{held}, it has no Hugging Face repo to fall back on, "
+            "and this node has no copy of its own (the folder or .gguf its source names, the built-in model)"
+        )
 
     async def _make_room(self, record: InstanceRecord, stage: StageAssignment, target: Path) -> None:
         """Evict unused models for what this stage may bring (`--max-model-bytes`). Its shards
@@ -321,10 +345,11 @@ class ClusterFiles:
         evicted = await trio.to_thread.run_sync(make_room, self._data_dir, need, self._cap_bytes, keep)
         self._withdraw(evicted)
 
-    def _report(self, manifest: Manifest, model: str, reason: str) -> None:
+    async def _report(self, manifest: Manifest, model: str, reason: str) -> None:
         """Make a failure that happened before any byte moved (no peer holds the files) show on
-        the board like one during a transfer; the caller logs it."""
+        the board like one during a transfer, and tell the cluster now (requests waiting for the
+        instance end at once when no node can get the files); the caller logs it."""
         mine = [t for t in self.fetcher.board.snapshots() if t.manifest_id == manifest.id]
-        if mine and mine[-1].state == "failed":
-            return
-        self.fetcher.board.failed(manifest_id=manifest.id, model=model, source="peers", reason=reason)
+        if not mine or mine[-1].state != "failed":
+            self.fetcher.board.failed(manifest_id=manifest.id, model=model, source="peers", reason=reason)
+        await self._cluster.publish_own()

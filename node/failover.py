@@ -16,8 +16,10 @@ Bounds: an instance must take the request over (send its first event) within `ti
 break-off, else the stream ends with the last error, as it would without failover. A request that
 breaks `max_breaks` times in a row without a new token (one that kills every runner it reaches)
 ends with its error too. Never failed over: client errors, context-length errors, a full queue on
-the first attempt, cancellation. `cancel(request_id)` reaches the attempt in flight (its runner
-ends it with `Finish(cancelled)`), or ends a request between attempts at once.
+the first attempt, cancellation, and a model whose files no node can get (`model_files_unavailable`:
+the entry node says so at once, rather than this waiting out `timeout_s` for nothing).
+`cancel(request_id)` reaches the attempt in flight (its runner ends it with `Finish(cancelled)`), or
+ends a request between attempts at once.
 
 Each attempt after the first runs under its own request id (`<id>.<n>`): a runner that is still
 dropping an abandoned attempt never mistakes the new one for it.

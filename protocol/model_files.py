@@ -114,6 +114,52 @@ def instance_files_state(
     return ("loading", None) if loading else (None, None)
 
 
+FILES_UNAVAILABLE = "model_files_unavailable"
+"""`GenerationError.code` of a request for a model whose files no node can get (`files_unobtainable`):
+failover does not wait for it, and the client learns why at once."""
+
+
+def holders_gone(
+    manifest: Manifest, holdings: Mapping[NodeId, NodeHoldings], live: Collection[NodeId]
+) -> bool:
+    """Whether nodes were heard of holding files of `manifest` and none of them is in `live` (the
+    live nodes but the asking one): the holder died, and waiting for one is pointless. With no holder
+    heard of at all, the holdings may not have arrived yet (a record can outrun them by a heartbeat)."""
+    known = heard_holders(manifest, holdings)
+    return bool(known) and not known & set(live)
+
+
+def heard_holders(manifest: Manifest, holdings: Mapping[NodeId, NodeHoldings]) -> set[NodeId]:
+    """The nodes whose holdings name `manifest`, live or not (a dead node's records stay)."""
+    return {node for node, record in holdings.items() if _holding(record, manifest.id) is not None}
+
+
+def files_unobtainable(
+    record: InstanceRecord,
+    holdings: Mapping[NodeId, NodeHoldings],
+    transfers: Mapping[NodeId, NodeTransfers],
+    live: Collection[NodeId],
+) -> str | None:
+    """Why no node can get `record`'s files now, or None. Unobtainable: a stage node's latest try
+    failed (it looks at its own copies first, and for holders), the record has no hub repo to fall
+    back on, and the `live` nodes together do not hold every file (so no retry can succeed until a
+    holder comes back). A failed try while a live node holds it all is a transfer to retry, not this."""
+    manifest = record.manifest
+    if manifest is None or record.hub_repo:
+        return None
+    state, why = instance_files_state(record, transfers)
+    if state != "failed":
+        return None
+    held: set[str] = set()
+    for node in live:
+        holding = _holding(holdings.get(node, NodeHoldings()), manifest.id)
+        paths = held_paths(manifest, holding) if holding is not None else frozenset()
+        if paths is None:
+            return None
+        held |= paths
+    return None if held >= {f.path for f in manifest.files} else why
+
+
 def instance_view(
     record: InstanceRecord, transfers: Mapping[NodeId, NodeTransfers] | None = None
 ) -> InstanceView:

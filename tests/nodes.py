@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,14 @@ def hidden_from(folder: Path) -> list[str]:
     """A `start_node` prefix: the node runs in a mount namespace of its own in which `folder` is an
     empty tmpfs, as if it were another machine that lacks what `folder` holds (needs root)."""
     return ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(folder)]
+
+
+def can_hide_folders() -> bool:
+    """Whether this process may make mount namespaces for `hidden_from` (root, or CAP_SYS_ADMIN)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"]
+    return subprocess.run(probe, capture_output=True, timeout=10, check=False).returncode == 0
 
 
 def statuses(node: RunningNode) -> dict[str, str]:

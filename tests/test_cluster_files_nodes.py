@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from node.models import builtin_gguf_path
 from node.net.auth import derive_key
 from protocol.manifest import INDEX_FILE, Manifest, stage_paths
 from tests.model_factory import make_random_model, sharded_copy, write_llama_gguf
-from tests.nodes import RunningNode, hidden_from, start_node
+from tests.nodes import RunningNode, can_hide_folders, hidden_from, start_node
 from tests.test_instances import _tokens
 from tests.waiting import wait_until
 
@@ -39,17 +38,7 @@ SLOW = "tests.slow_node"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
-def _can_hide_folders() -> bool:
-    """Whether this process may make mount namespaces (root, or CAP_SYS_ADMIN, and `unshare`)."""
-    if shutil.which("unshare") is None:
-        return False
-    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"]
-    return subprocess.run(probe, capture_output=True, timeout=10, check=False).returncode == 0
-
-
-pytestmark = pytest.mark.skipif(
-    not _can_hide_folders(), reason="needs mount namespaces (unshare -m, as root)"
-)
+pytestmark = pytest.mark.skipif(not can_hide_folders(), reason="needs mount namespaces (unshare -m, as root)")
 
 
 @dataclass

@@ -14,8 +14,10 @@ from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import FileEntry, TransferProgress, TransferState, manifest_of
 from protocol.model_files import (
     file_holders,
+    files_unobtainable,
     held_bytes,
     held_paths,
+    holders_gone,
     holding_of,
     holding_views,
     instance_files_state,
@@ -114,3 +116,36 @@ def test_an_instance_is_loading_while_its_files_move_and_failed_when_a_transfer_
     )
     plain = InstanceRecord(InstanceId("j"), ModelId("m"), stages)
     assert instance_view(plain, {B: NodeTransfers((_moving("failed"),))}).state is None
+
+
+def test_holders_are_gone_only_when_some_were_heard_of_and_none_is_live() -> None:
+    held = holdings(a=Holding(MANIFEST.id), b=Holding(MANIFEST.id, (1,)), c=Holding(OTHER.id))
+    assert holders_gone(MANIFEST, held, live={C})  # A and B held it, both dead
+    assert not holders_gone(MANIFEST, held, live={B, C})  # B holds some: ask it
+    assert not holders_gone(MANIFEST, holdings(c=Holding(OTHER.id)), live={C})  # none heard of yet
+    assert not holders_gone(MANIFEST, {}, live=set())
+
+
+def test_files_are_unobtainable_when_a_stage_failed_and_no_live_node_holds_them_all() -> None:
+    """Only then: a failed transfer while a live node (or the live nodes together) hold every file
+    is one to retry, and a hub repo is a source of its own."""
+    stages = (StageAssignment(A, 0, 2), StageAssignment(B, 2, 4))
+    record = InstanceRecord(InstanceId("i"), ModelId("m"), stages, manifest=MANIFEST)
+    failed = {B: NodeTransfers((_moving("failed", "no peer holds the files"),))}
+    why = f"node {B[-8:]}: no peer holds the files"
+    everyone = {ME, A, B, C}
+    cases: list[tuple[dict[NodeId, NodeHoldings], dict[NodeId, NodeTransfers], set[NodeId], str | None]] = [
+        (holdings(c=Holding(MANIFEST.id)), failed, everyone - {C}, why),  # the holder is dead
+        ({}, failed, everyone, why),  # nobody ever held it
+        (holdings(a=Holding(MANIFEST.id, (0, 1))), failed, everyone, why),  # a file is held by nobody
+        (holdings(c=Holding(MANIFEST.id)), failed, everyone, None),  # C is alive: B retries from it
+        (holdings(a=Holding(MANIFEST.id, (0, 1)), c=Holding(MANIFEST.id, (2,))), failed, everyone, None),
+        ({}, {B: NodeTransfers((_moving("fetching"),))}, everyone, None),  # not failed (yet)
+        ({}, {}, everyone, None),
+    ]
+    for held, transfers, live, expected in cases:
+        assert files_unobtainable(record, held, transfers, live) == expected, (held, transfers, live)
+    from_hub = InstanceRecord(InstanceId("i"), ModelId("m"), stages, manifest=MANIFEST, hub_repo="org/m")
+    assert files_unobtainable(from_hub, {}, failed, everyone) is None
+    resolved_by_each = InstanceRecord(InstanceId("i"), ModelId("m"), stages)
+    assert files_unobtainable(resolved_by_each, {}, failed, everyone) is None

@@ -20,6 +20,7 @@ import os
 import threading
 from pathlib import Path
 
+from node.models.gguf import MARKER_FILE
 from node.models.store import models_dir
 from protocol.manifest import MAX_MANIFEST_FILES, FileEntry, Manifest, ManifestError, check_path, manifest_of
 
@@ -145,13 +146,17 @@ class HashCache:
 
 def folder_files(folder: Path) -> list[str]:
     """The relative paths of the regular files under `folder` (links to files followed, links to
-    folders not), sorted; hidden names (`.cache/`, the store's own files) are skipped."""
+    folders not), sorted; hidden names (`.cache/`, the store's own files) are skipped, and so is a
+    `.gguf` import's marker: it names the file's path and mtime on the importing node, so leaving it
+    in would give one `.gguf`'s import another manifest on every node (`node.files.local_copy`)."""
     found: list[str] = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel_root = Path(root).relative_to(folder)
         for name in files:
             if name.startswith(".") or not os.path.isfile(os.path.join(root, name)):
+                continue
+            if name == MARKER_FILE and rel_root == Path("."):
                 continue
             found.append((rel_root / name).as_posix())
             if len(found) > MAX_MANIFEST_FILES:

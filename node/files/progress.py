@@ -182,6 +182,14 @@ class ProgressBoard:
         meter.state, meter.error = "failed", reason
         self._add(meter)
 
+    def forget_failed(self, manifest_id: str) -> None:
+        """Drop the failed transfers of a model this node has now (from its own copy, say): a
+        failure still shown would tell the cluster it cannot get the files."""
+        for key in [
+            k for k, m in self._meters.items() if m.manifest_id == manifest_id and m.state == "failed"
+        ]:
+            del self._meters[key]
+
     def snapshots(self) -> list[TransferProgress]:
         """Oldest first."""
         self._prune()
