@@ -1,15 +1,20 @@
 // Chat: one conversation at a time, streamed from `POST /v1/chat/completions`, kept in localStorage.
 // A long prompt shows its prefill progress (the stream's `: prefill_progress {...}` comments) as a
-// bar until the first token; Stop cancels on the server (`POST /v1/cancel/{id}`) and aborts the fetch.
+// bar until the first token, with an ETA once a rate is measured (eta.js); Stop cancels on the
+// server (`POST /v1/cancel/{id}`) and aborts the fetch. The sampling settings a request runs with
+// are shown under the picker (sampling.js); only a typed temperature is sent.
 
 import { call, openStream, readEvents } from "./api.js";
 import { h, seconds } from "./dom.js";
+import { PrefillEta } from "./eta.js";
 import { setMarkdown } from "./markdown.js";
+import { chosenTemperature, samplingLine } from "./sampling.js";
 import { currentId, loadConversations, newConversation, saveConversations, setCurrentId } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const PROGRESS = "prefill_progress ";
 const MAX_TOKENS = "shoal.maxTokens";
+const TEMPERATURE = "shoal.temperature";
 const STOP_GRACE_MS = 1500; // after a cancel, how long the stream may take to end by itself (with its usage)
 
 /** The bubble of one assistant answer: reasoning, prefill bar, text and the line of figures. */
@@ -67,9 +72,8 @@ class AnswerView {
     return parts;
   }
 
-  /** One prefill event: move the bar, with an ETA from the rate seen so far. */
+  /** One prefill event: move the bar, with an ETA once a rate is measured (`PrefillEta`). */
   progress({ processed_tokens: done, total_tokens: total }) {
-    const now = performance.now();
     if (!this.bar) {
       this.fill = h("div.bar-fill");
       this.label = h("span.prefill-label");
@@ -80,14 +84,13 @@ class AnswerView {
         this.label,
       );
       this.progressSlot.replaceChildren(this.bar);
-      this.started = { at: now, done };
+      this.eta = new PrefillEta(this.message.model);
     }
     this.bar.setAttribute("aria-valuemax", String(total));
     this.bar.setAttribute("aria-valuenow", String(done));
     this.fill.style.width = `${total > 0 ? Math.min(100, (100 * done) / total).toFixed(1) : 0}%`;
-    const elapsed = (now - this.started.at) / 1000;
-    const rate = elapsed > 0 ? (done - this.started.done) / elapsed : 0;
-    const eta = rate > 0 ? ` · ETA ${seconds((total - done) / rate) || "0 ms"}` : " · ETA …";
+    const left = this.eta.see(done, total, performance.now());
+    const eta = left === null ? "" : ` · ETA ${seconds(left) || "0 ms"}`;
     this.label.textContent = `Processing prompt: ${done} / ${total} tokens${eta}`;
   }
 
@@ -121,10 +124,17 @@ export class Chat {
     $("model-select").addEventListener("change", () => {
       this.current.model = $("model-select").value;
       this.save();
+      this.showSampling();
     });
     const limit = localStorage.getItem(MAX_TOKENS);
     if (limit) $("max-tokens").value = limit;
     $("max-tokens").addEventListener("change", () => localStorage.setItem(MAX_TOKENS, $("max-tokens").value));
+    this.models = new Map(); // id -> its `/v1/models` entry
+    $("temperature").value = localStorage.getItem(TEMPERATURE) || "";
+    $("temperature").addEventListener("input", () => {
+      localStorage.setItem(TEMPERATURE, $("temperature").value);
+      this.showSampling();
+    });
     this.renderAll();
   }
 
@@ -145,7 +155,9 @@ export class Chat {
   async loadModels() {
     let ids = [];
     try {
-      ids = (await call("GET", "/v1/models")).data.map((m) => m.id);
+      const models = (await call("GET", "/v1/models")).data;
+      this.models = new Map(models.map((m) => [m.id, m]));
+      ids = models.map((m) => m.id);
     } catch (error) {
       $("model-hint").textContent = error.message;
       return;
@@ -157,6 +169,14 @@ export class Chat {
     if (ids.includes(wanted)) select.value = wanted;
     $("model-hint").textContent = "";
     $("send").disabled = !ids.length && !this.active;
+    this.showSampling();
+  }
+
+  /** The effective sampling settings of the chosen model, with the typed temperature. */
+  showSampling() {
+    const model = this.models.get($("model-select").value);
+    const line = model ? samplingLine(model.sampling_defaults, chosenTemperature($("temperature"))) : [];
+    $("sampling-info").replaceChildren(...line);
   }
 
   renderAll() {
@@ -252,6 +272,8 @@ export class Chat {
       const body = { model, messages, stream: true, stream_options: { include_usage: true } };
       const limit = Number.parseInt($("max-tokens").value, 10);
       if (limit > 0) body.max_tokens = limit;
+      const temperature = chosenTemperature($("temperature"));
+      if (temperature !== null) body.temperature = temperature;
       const response = await openStream("/v1/chat/completions", body, controller.signal);
       for await (const event of readEvents(response)) {
         if (event.comment !== undefined) {
