@@ -59,6 +59,7 @@ from protocol.model_files import (
     holders_gone,
     holding_of,
 )
+from protocol.model_names import distinct_name, names_in_use
 
 log = logging.getLogger("shoal.files")
 
@@ -86,6 +87,8 @@ class Described:
     manifest: Manifest
     hub_repo: str = ""
     """The Hugging Face repo it was downloaded from; empty for a folder or a .gguf."""
+    name: str = ""
+    """What the cluster calls it: its folder's name, made distinct if another model has that one."""
 
 
 def live_members(cluster: FilesCluster) -> set[str]:
@@ -184,10 +187,30 @@ class ClusterFiles:
                 derived_from=gguf_of(source, resolved, self._data_dir),
             )
         )
-        await self._offer(manifest, resolved.path, resolved.name)
-        described = Described(manifest, resolved.name if resolved.source == "hub" else "")
+        name = self._names.get(manifest.id) or self._distinct(resolved.name, manifest.id)
+        await self._offer(manifest, resolved.path, name)
+        described = Described(manifest, resolved.name if resolved.source == "hub" else "", name)
         self._described[source] = described
         return described
+
+    def _distinct(self, name: str, manifest_id: str) -> str:
+        """`name`, or with a suffix when the cluster knows another model by it (`protocol.model_names`)."""
+        state = self._cluster.state
+        unique = distinct_name(name, manifest_id, names_in_use(state.holdings(), state.instances().values()))
+        if unique != name:
+            log.info("another model in the cluster is called %r: this one is served as %r", name, unique)
+        return unique
+
+    def named(self, name: str) -> tuple[Manifest, Path, str] | None:
+        """The manifest, folder and name of a model this node serves whole under `name` (or as
+        `cluster/<manifest id>`, as the data dir lists a copy from peers), if any."""
+        offered = self.server.offered()
+        for mid, (manifest, folder) in sorted(self._held.items()):
+            model = self._names.get(mid, "")
+            whole = offered.get(mid) == {f.path for f in manifest.files}
+            if whole and name in (model, f"{CLUSTER_SUBDIR}/{mid}"):
+                return manifest, folder, model
+        return None
 
     def known(self, source: str) -> Described | None:
         """What the last `describe(source)` found, without touching the disk."""
@@ -233,7 +256,9 @@ class ClusterFiles:
         models = []
         for mid in sorted(offered):
             manifest = self._held.get(mid, (None, None))[0]
-            if manifest is not None and (holding := holding_of(manifest, offered[mid])) is not None:
+            name = self._names.get(mid, "")[:MAX_TEXT_CHARS]
+            holding = holding_of(manifest, offered[mid], name) if manifest else None
+            if holding is not None:
                 models.append(holding)
         moves = [
             t.model_copy(

@@ -10,6 +10,7 @@ from the network as anything else is `Unavailable`, like a leader that did not a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol, assert_never
 
@@ -18,6 +19,7 @@ import trio
 from node.cluster_files import Described
 from node.cluster_reader import ClusterReader
 from node.leader_control import LeaderControl
+from node.model_finder import ModelFinder
 from node.model_shapes import ShapeCache
 from node.models import ModelResolveError
 from node.net.mesh import RequestError
@@ -41,8 +43,9 @@ from protocol.control_wire import (
     encode_control,
 )
 from protocol.election import Decision
-from protocol.ids import InstanceId, NodeId
+from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.model_files import instance_view
+from protocol.placement import ModelShape
 
 log = logging.getLogger("shoal.instances")
 
@@ -83,6 +86,7 @@ class InstanceRequests:
         leader: LeaderControl,
         shapes: ShapeCache,
         files: Describer | None = None,
+        finder: ModelFinder | None = None,
     ) -> None:
         self.cluster = cluster
         self.mesh = mesh
@@ -90,6 +94,8 @@ class InstanceRequests:
         self.shapes = shapes
         self.files = files
         """None: place requests carry no manifest, and each stage node resolves the source itself."""
+        self.finder = finder
+        """Models this node cannot resolve, from the peers that hold them by name; None: no asking."""
 
     async def _ask(self, request: PlaceInstance | DeleteInstance) -> ControlMessage:
         """The leader's answer: this node's own when it leads, else over the control protocol."""
@@ -106,12 +112,32 @@ class InstanceRequests:
         except (RequestError, ControlWireError) as exc:
             return Unavailable(kind="no_answer", reason=f"the leader {leader} did not answer: {exc}")
 
+    async def read_model(self, source: str, *, preview: bool) -> tuple[ModelShape, Described | None]:
+        """The shape `source` is placed with and, unless a preview finds none known, its files.
+
+        What this node resolves itself (the built-in, a path, a model of its data dir) comes first;
+        any other name (one the cluster shows, a repo id) from the node that holds it under that
+        name (`node.model_finder`), else resolved here (a repo id is downloaded). Raises
+        `ValueError` (the model does not resolve) or `OSError` (its files are unreadable)."""
+        asked = self.finder is not None and not await self.finder.resolves_here(source)
+        if asked and self.finder is not None and (found := await self.finder.find(source)) is not None:
+            return found.shape, Described(found.manifest, found.hub_repo, found.model)
+        try:
+            shape = await self.shapes.get(source)
+        except ValueError as exc:
+            if asked:
+                raise ValueError(f"{exc}; nor does any node of the cluster hold {source!r}") from exc
+            raise
+        described = await self._describe(source, preview=preview)
+        if described is not None and described.name and described.name != shape.model:
+            shape = dataclasses.replace(shape, model=ModelId(described.name))  # a clashing name
+        return shape, described
+
     async def place(
         self, source: str, nodes: int | None, *, preview: bool, replicas: int | None = None
     ) -> PlaceOutcome:
         try:
-            shape = await self.shapes.get(source)
-            described = await self._describe(source, preview=preview)
+            shape, described = await self.read_model(source, preview=preview)
         except (ValueError, OSError) as exc:  # the model does not resolve, or its files are unreadable
             served = [r for r in self.cluster.state.instances().values() if r.model == source]
             if served and not preview:  # named by its id here, held by another node: it runs already

@@ -7,6 +7,7 @@ One module per job, composed here:
 - `node.hosted_instances`: this node's reconcile of what it runs, one task per instance;
 - `node.hosted_stages`: the pipeline stages it hosts, and their `StageAddress` answers;
 - `node.model_shapes`: model resolution and the shape cache;
+- `node.model_finder`: a model placed by a name only a peer holds, and the answers to such asks;
 - `node.cluster_files`: the model files this node serves, and those it fetches for its stages.
 `InstanceManager.run` serves the control protocol and reconciles (and, on the leader, repairs) at
 each cluster change and at least once a second. A leader change keeps instances: records live in
@@ -27,6 +28,7 @@ from node.cluster_files import ClusterFiles
 from node.hosted_instances import HostedInstances
 from node.instance_requests import InstanceRequests
 from node.leader_control import LeaderControl
+from node.model_finder import ModelFinder
 from node.model_shapes import ModelFiles, ShapeCache
 from node.net.mesh import Mesh
 from node.replica_load import ReplicaLoads
@@ -38,6 +40,7 @@ from protocol.control_wire import (
     ControlWireError,
     DeleteInstance,
     DeleteOutcome,
+    DescribeModel,
     Invalid,
     PlaceInstance,
     PlaceOutcome,
@@ -79,7 +82,11 @@ class InstanceManager:
         model_files = ModelFiles(options.data_dir, options.runtime_dtype_bytes, options.kernels)
         self.shapes = ShapeCache(model_files.shape)
         self.leader = LeaderControl(cluster)
-        self.requests = InstanceRequests(cluster, mesh, self.leader, self.shapes, files)
+        self.finder = ModelFinder(
+            cluster, mesh, files, model_files.folder_shape, self.shapes.get, options.data_dir
+        )
+        """Models placed by a name only a peer resolves, and this node's answers to such asks."""
+        self.requests = InstanceRequests(cluster, mesh, self.leader, self.shapes, files, self.finder)
         self.loads = ReplicaLoads(cluster, self.records, self.local_runner)
         """Replica choice: the requests open to each entry, and what this node reports of its own."""
         self.hosted = HostedInstances(
@@ -150,6 +157,8 @@ class InstanceManager:
             answer = await self.leader.delete(message)
         elif isinstance(message, StageAddress):
             answer = self.hosted.answer_stage_address(message)
+        elif isinstance(message, DescribeModel):
+            answer = await self.finder.answer(message)
         else:
             answer = Invalid(kind="malformed", reason=f"{message.type!r} is not a control request")
         return encode_control(answer)

@@ -35,12 +35,13 @@ class ModelFiles:
     async def shape(self, source: str) -> ModelShape:
         """Resolve `source`, then read its shape (`shape.model` is the id it is served as)."""
         resolved = await self.resolve(source)
+        return await self.folder_shape(resolved.name, resolved.path)
+
+    async def folder_shape(self, name: str, folder: Path) -> ModelShape:
+        """The shape of the complete model folder `folder`, served as `name`."""
         return await trio.to_thread.run_sync(
             lambda: model_shape(
-                resolved.name,
-                resolved.path,
-                runtime_dtype_bytes=self.runtime_dtype_bytes,
-                kernels=self.kernels,
+                name, folder, runtime_dtype_bytes=self.runtime_dtype_bytes, kernels=self.kernels
             )
         )
 

@@ -60,8 +60,9 @@ from protocol.codec_fields import (
 )
 from protocol.ids import InstanceId, ModelId, NodeId
 
-SCHEMA_VERSION = 4
-"""Bump on any change to a record's or a message's layout. 4: load records. 3: instance records
+SCHEMA_VERSION = 5
+"""Bump on any change to a record's or a message's layout. 5: a holding names its model. 4: load
+records. 3: instance records
 carry the model's manifest, shape and hub repo; holdings and transfers records."""
 MAX_MESSAGE_BYTES = 512 * 1024
 """Half of GossipSub's 1 MiB delivery limit; `encode_delta` splits bigger deltas."""

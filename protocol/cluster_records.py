@@ -40,8 +40,7 @@ MAX_INT = 2**63 - 1
 MAX_LAYERS = 1024
 """Layers in one model shape (the largest public models have ~130)."""
 MAX_HOLDINGS = 32
-"""Models one node advertises; with partial ones listing up to `protocol.manifest.MAX_MANIFEST_FILES`
-indices each, the record stays under ~50 KB, far below the gossip limit."""
+"""Models one node advertises; partial ones list up to `MAX_MANIFEST_FILES` indices: < ~60 KB."""
 MAX_TRANSFERS = 8
 """Transfers to one node shown at once: the running ones and the latest finished."""
 MAX_ERROR_CHARS = 512
@@ -248,9 +247,12 @@ class Holding:
     manifest_id: str
     files: tuple[int, ...] | None = None
     """Sorted, unique indices; None: every file of the manifest."""
+    model: str = ""
+    """The holder's name for the model, by which any node may place it (`protocol.model_names`)."""
 
     def __post_init__(self) -> None:
         _check_text("manifest_id", self.manifest_id, MANIFEST_ID_CHARS, allow_empty=False)
+        _check_text("holding model", self.model, MAX_TEXT_CHARS)
         if self.files is None:
             return
         if not isinstance(self.files, tuple) or len(self.files) > MAX_MANIFEST_FILES:

@@ -27,6 +27,8 @@ class HoldingView(_View):
     manifest_id: str
     files: int | None = None
     """How many of the manifest's files the member holds; None: all of them."""
+    model: str = ""
+    """The name the member serves the model's files under (empty from an older node)."""
 
 
 class MemberView(_View):

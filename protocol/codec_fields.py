@@ -7,7 +7,7 @@ travel as positional arrays too:
 
     manifest   [version, [[path, size, sha256], ...], [path, size, sha256] | null]
     shape      [model, [layer bytes, ...], embedding, head, tied, kv bytes per token, context]
-    holding    [manifest id, [file index, ...] | null]
+    holding    [manifest id, [file index, ...] | null, model name]
     transfer   [manifest id, model, source, state, bytes done, bytes total, rate, files done,
                 files total, peers, error | null]
 
@@ -149,19 +149,19 @@ def shape_from_wire(obj: object) -> ModelShape | None:
 
 
 def holdings_to_wire(models: tuple[Holding, ...]) -> list[Any]:
-    return [[h.manifest_id, None if h.files is None else list(h.files)] for h in models]
+    return [[h.manifest_id, None if h.files is None else list(h.files), h.model] for h in models]
 
 
 def holdings_from_wire(obj: object) -> tuple[Holding, ...]:
     out = []
     for item in wire_list(obj, "holdings", limit=MAX_HOLDINGS):
-        f = wire_list(item, "holding", 2)
+        f = wire_list(item, "holding", 3)
         files = None
         if f[1] is not None:
             files = tuple(
                 wire_int(i, "file index") for i in wire_list(f[1], "files", limit=MAX_MANIFEST_FILES)
             )
-        out.append(Holding(wire_str(f[0], "manifest id"), files))
+        out.append(Holding(wire_str(f[0], "manifest id"), files, wire_str(f[2], "holding model")))
     return tuple(out)
 
 

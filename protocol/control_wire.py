@@ -21,10 +21,11 @@ from protocol.cluster_view import InstanceView
 from protocol.manifest import Manifest
 from protocol.placement import MAX_REPLICAS, ModelShape
 
-CONTROL_PROTOCOL = "/shoal/control/4.0.0"
-"""4.0.0: a place request may ask for replicas, and its answer lists them. 3.0.0: a place request
-carries the model's manifest. 2.0.0: typed outcomes replaced 1.0.0's `ControlAnswer` with HTTP
-status codes. A node of another version does not speak this protocol: asking it is `Unavailable`."""
+CONTROL_PROTOCOL = "/shoal/control/5.0.0"
+"""5.0.0: a node asks a peer to describe a model it holds by name. 4.0.0: a place request may ask
+for replicas, and its answer lists them. 3.0.0: a place request carries the model's manifest.
+2.0.0: typed outcomes replaced 1.0.0's `ControlAnswer` with HTTP status codes. A node of another
+version does not speak this protocol: asking it is `Unavailable`."""
 MAX_CONTROL_BYTES = 1024 * 1024
 
 
@@ -118,6 +119,26 @@ PLACE_OUTCOMES = (Placed, Exists, NotFound, Invalid, Unavailable)
 DELETE_OUTCOMES = (Deleted, NotFound, Invalid, Unavailable)
 
 
+class DescribeModel(WireMessage):
+    """Any node -> a peer: describe the model you hold (or can prepare from your own files) as
+    `name`, so that I can place it by that name (`protocol.model_names`)."""
+
+    type: Literal["describe_model"] = "describe_model"
+    name: str = Field(min_length=1, max_length=512)
+
+
+class ModelDescribed(WireMessage):
+    """The answer to `DescribeModel` (else `NotFound`): what a place request for it carries. The
+    files are served by the answering node from now on."""
+
+    type: Literal["model_described"] = "model_described"
+    model: str
+    """The name it is served as (a clashing name gets a suffix: `protocol.model_names`)."""
+    shape: ModelShape
+    manifest: Manifest
+    hub_repo: str = ""
+
+
 class StageAddress(WireMessage):
     """Entry node -> a later stage's node: where does your stage [start, end) of the instance listen?"""
 
@@ -146,7 +167,9 @@ ControlMessage = Annotated[
     | Invalid
     | Unavailable
     | StageAddress
-    | StageAddressAnswer,
+    | StageAddressAnswer
+    | DescribeModel
+    | ModelDescribed,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)

@@ -1,10 +1,10 @@
 """What `GET /v1/cluster/models` answers and `shoal models` shows: the model files each node holds.
 
 Built by the answering node from what it knows, pure: every node's `NodeHoldings` record (manifest
-ids and, for a partial copy, file indices), the manifests it knows (those the instance records
-carry, and those it serves itself, with their names), and the nodes' transfers (whose model names
-cover a copy fetched for an instance since deleted). A holding whose manifest the answering node has
-never seen is shown by its id and file count alone: its name and sizes are then None.
+ids, the holder's name for each and, for a partial copy, file indices), the manifests it knows
+(those the instance records carry, and those it serves itself, with their names), and the nodes'
+transfers. A holding whose manifest the answering node has never seen is shown by its id, name and
+file count alone: its sizes are then None (and its name too, from a node that sends none).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class _View(BaseModel):
 class HeldModelView(_View):
     manifest_id: str
     model: str | None
-    """What the user calls it; None when the answering node does not know the manifest."""
+    """What the user calls it; None when no node told the answering node a name for it."""
     files_held: int | None
     """None: all of the manifest's files (however many the answering node knows there are)."""
     files_total: int | None
@@ -55,10 +55,12 @@ def _names(
     records: Sequence[InstanceRecord],
     known: Mapping[str, tuple[str, Manifest]],
     transfers: Mapping[NodeId, NodeTransfers],
+    holdings: Mapping[NodeId, NodeHoldings],
 ) -> tuple[dict[str, Manifest], dict[str, str]]:
     """manifest id -> manifest, and -> model name, from every source; instance records first."""
     manifests = {mid: manifest for mid, (_name, manifest) in known.items()}
-    names = {t.manifest_id: t.model for record in transfers.values() for t in record.transfers if t.model}
+    names = {h.manifest_id: h.model for record in holdings.values() for h in record.models if h.model}
+    names |= {t.manifest_id: t.model for record in transfers.values() for t in record.transfers if t.model}
     names |= {mid: name for mid, (name, _manifest) in known.items()}
     for record in records:
         if record.manifest is not None:
@@ -99,7 +101,7 @@ def node_models(
     """Per member (in the order given), each model whose files it serves: name, manifest id, files
     and bytes held of the total, and the instances using it there."""
     instances = list(records)
-    manifests, names = _names(instances, known, transfers)
+    manifests, names = _names(instances, known, transfers, holdings)
     users: dict[tuple[str, str], set[str]] = {}
     for record in instances:
         if record.manifest is None:

@@ -18,13 +18,13 @@ from protocol.ids import NodeId
 from protocol.manifest import Manifest
 
 
-def holding_of(manifest: Manifest, paths: Collection[str]) -> Holding | None:
-    """What a node serving `paths` of `manifest` advertises: every file (indices left out), some
-    (their indices), or nothing (None)."""
+def holding_of(manifest: Manifest, paths: Collection[str], model: str = "") -> Holding | None:
+    """What a node serving `paths` of `manifest` (which it calls `model`) advertises: every file
+    (indices left out), some (their indices), or nothing (None)."""
     indices = tuple(i for i, entry in enumerate(manifest.files) if entry.path in paths)
     if not indices:
         return None
-    return Holding(manifest.id, None if len(indices) == len(manifest.files) else indices)
+    return Holding(manifest.id, None if len(indices) == len(manifest.files) else indices, model)
 
 
 def held_paths(manifest: Manifest, holding: Holding) -> frozenset[str] | None:
@@ -89,7 +89,7 @@ def held_bytes(manifest: Manifest, holdings: Mapping[NodeId, NodeHoldings]) -> d
 def holding_views(holdings: NodeHoldings) -> tuple[HoldingView, ...]:
     """What `/v1/cluster` shows of a member's holdings: each model, and how many of its files."""
     return tuple(
-        HoldingView(manifest_id=h.manifest_id, files=None if h.files is None else len(h.files))
+        HoldingView(manifest_id=h.manifest_id, files=None if h.files is None else len(h.files), model=h.model)
         for h in holdings.models
     )
 

@@ -168,7 +168,8 @@ def test_digest_reply_fills_the_budget_and_the_rest_follows() -> None:
 
 def test_the_largest_file_records_still_fit_one_gossip_message() -> None:
     """An instance naming a 512-file manifest and a 1024-layer shape, and a node holding 32 models
-    in part with 512 files each: each entry fits one gossip message (the mesh's 256 KiB)."""
+    (names of the longest) in part with 512 files each: each entry fits one gossip message (the
+    mesh's 256 KiB)."""
     files = [
         FileEntry(path=f"{i:03d}" + "x" * (MAX_PATH_CHARS - 3), size=2**40, sha256="f" * 64)
         for i in range(MAX_MANIFEST_FILES)
@@ -182,7 +183,10 @@ def test_the_largest_file_records_still_fit_one_gossip_message() -> None:
         InstanceId("i" * 128), ModelId("m" * 256), stages, "s" * 512, manifest, shape, "o/r"
     )
     held = NodeHoldings(
-        tuple(Holding(f"{i:064x}", tuple(range(0, 2 * MAX_MANIFEST_FILES, 2))) for i in range(MAX_HOLDINGS))
+        tuple(
+            Holding(f"{i:064x}", tuple(range(0, 2 * MAX_MANIFEST_FILES, 2)), "n" * MAX_TEXT_CHARS)
+            for i in range(MAX_HOLDINGS)
+        )
     )
     transfer = TransferProgress(
         manifest_id="a" * 64,

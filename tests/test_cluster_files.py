@@ -76,7 +76,7 @@ def test_a_stage_fetches_its_shards_advertises_them_and_offers_them_again_after_
             assert served.body_bytes == sum(f.stat().st_size for f in folder.iterdir() if f.name[0] != ".")
             (holdings, transfers) = files.records()
             indices = tuple(i for i, f in enumerate(manifest.files) if (folder / f.path).is_file())
-            assert holdings == NodeHoldings((Holding(manifest.id, indices),))
+            assert holdings == NodeHoldings((Holding(manifest.id, indices, "tiny"),))
             assert transfers.transfers[-1].state == "done" and cluster.published == 1
 
             # Restarted: the sidecar says what the folder is, nothing is hashed or fetched again.
@@ -101,7 +101,7 @@ def test_a_folder_the_source_names_here_with_the_same_content_is_used_as_it_is(t
 
     async def main() -> None:
         assert await files.folder_for(same, stage) == model
-        assert files.records()[0] == NodeHoldings((Holding(manifest.id),))
+        assert files.records()[0] == NodeHoldings((Holding(manifest.id, model="tiny"),))
         (model / "config.json").write_text('{"num_hidden_layers": 2, "edited": true}')
         other = folder_manifest(model, HashCache(None))
         changed = InstanceRecord(InstanceId("j"), ModelId("tiny"), (stage,), str(model), other)

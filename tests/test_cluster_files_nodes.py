@@ -178,6 +178,23 @@ def test_a_folder_on_one_node_serves_over_three_each_fetching_only_its_shards(
     # a request not signed, or signed with another cluster's key, gets nothing.
     _secret_guards_the_files(trio, manifest)
     _delete(trio, instance)
+    _relaunch_by_name(trio, instance, trio.c)
+
+
+def _relaunch_by_name(trio: Trio, instance: dict[str, Any], via: RunningNode) -> None:
+    """The deleted model, placed again by the name the cluster showed for it, from a node that
+    cannot see its folder (it asks the holder, A), previewed first; it serves the same files."""
+    name, body = instance["model"], {"model": instance["model"], "nodes": 3}
+    preview = httpx.get(f"{via.base_url}/v1/instances/preview", params=body, headers=AUTH, timeout=60)
+    assert preview.status_code == 200, preview.text
+    again = httpx.post(f"{via.base_url}/v1/instances", json=body, headers=AUTH, timeout=120)
+    assert again.status_code == 201, again.text
+    assert (again.json()["model"], again.json()["manifest_id"]) == (name, instance["manifest_id"])
+    _wait_ready(trio, again.json(), [])
+    listed = httpx.get(f"{trio.b.base_url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+    assert name in {m["id"] for m in listed}
+    assert _tokens(via, name)[2] == 24
+    _delete(trio, again.json())
 
 
 def _shoal_models(node: RunningNode, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -251,6 +268,7 @@ def test_a_gguf_on_one_node_serves_over_three(trio_cluster: Trio, builtin_model_
         copy = trio.data[node.node_id] / "models" / "cluster" / instance["manifest_id"]
         assert (copy / "config.json").is_file() and (copy / "model.safetensors").is_file()
     _delete(trio, instance)
+    _relaunch_by_name(trio, instance, trio.b)
 
 
 SERVED = re.compile(r"^served (\S+) /v1/files/(\w+)/(\S+) from (\d+) (\d+)$")

@@ -97,6 +97,11 @@ def test_each_node_with_its_share_of_each_model_and_who_uses_it() -> None:
         None,
         None,
     )
+    # A model nobody here knows the manifest of, held whole by C under a name: the name shows.
+    other = _manifest(9)
+    holdings[C] = NodeHoldings((Holding(other.id, None, "harbour-llama"),))
+    [held] = node_models([_member(C)], holdings, [], {}, {})[0].models
+    assert (held.model, held.files_held, held.bytes_total) == ("harbour-llama", None, None)
 
 
 def test_a_partial_copy_from_peers_is_not_placeable(tmp_path: Path) -> None:
