@@ -282,6 +282,10 @@ def test_requests_without_sampling_fields_take_the_models_defaults(
                 # Without a config: the server's defaults sample (the seed chose what).
                 server_text = await text_of(plain, "omitted", omitted)
                 assert server_text != greedy_text
+                # A repetition penalty reaches the batch's logits: below 1 it favours the last 20
+                # tokens (the random model's greedy text repeats none of them, so 2.0 changes nothing).
+                penalized = SamplingParams(temperature=0, repetition_penalty=0.05, max_tokens=24)
+                assert await text_of(plain, "penalized", penalized) != greedy_text
                 # The picky config on one stage and on two: the same seeded text (the last stage
                 # samples with the settings the entry runner decided), unlike the server's.
                 picky_text = await text_of(picky, "omitted", omitted)
