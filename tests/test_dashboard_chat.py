@@ -58,7 +58,8 @@ def send(page: Page, text: str, max_tokens: int) -> dict[str, Any]:
     with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
         page.press("#prompt", "Enter")
     page.wait_for_selector(".msg.assistant:last-child .usage", timeout=60_000)
-    body: dict[str, Any] = sent.value.post_data_json
+    body = sent.value.post_data_json
+    assert isinstance(body, dict)
     return body
 
 
