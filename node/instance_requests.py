@@ -185,16 +185,29 @@ class InstanceRequests:
     def _served(self, model: str) -> int:
         return sum(record.model == model for record in self.cluster.state.instances().values())
 
+    async def _ensure_shape(self, source: str) -> ModelShape:
+        """The shape `ensure` places `source` with: read here at once, or for a name only the
+        cluster may hold, asked once the cluster has a leader (it has formed). `ModelResolveError`
+        when neither this node nor any other has it, or it cannot be read."""
+        try:
+            if self.finder is not None and not await self.finder.resolves_here(source):
+                for _wait in range(ENSURE_ATTEMPTS):
+                    if self.cluster.decision.leader is not None:
+                        break
+                    with trio.move_on_after(1.0):
+                        await self.cluster.wait_changed()
+                return (await self.read_model(source, preview=False))[0]
+            return await self.shapes.get(source)
+        except (ValueError, OSError) as exc:
+            raise ModelResolveError(f"cannot serve {source!r}: {exc}") from exc
+
     async def ensure(self, source: str, replicas: int = 1) -> None:
         """For `shoal run --model X --replicas N`: once there is a leader, make sure X has N instances.
         While fewer fit, it asks again each time the number of live nodes changes (one joined: room
         for another), within the same `ENSURE_ATTEMPTS`; while none fits, it says so and waits the
         same way. Raises `ModelResolveError` when X can never be served (it does not resolve, its
         import fails, its files are unreadable): `shoal run` then stops with exit 2 and the reason."""
-        try:
-            shape = await self.shapes.get(source)
-        except (ValueError, OSError) as exc:
-            raise ModelResolveError(f"cannot serve {source!r}: {exc}") from exc
+        shape = await self._ensure_shape(source)
         asked_with: int | None = None
         """How many nodes were alive when the leader last placed what fit."""
         for attempt in range(ENSURE_ATTEMPTS):

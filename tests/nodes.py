@@ -130,8 +130,10 @@ def start_node(
     netns: str | None = None,
     prefix: Sequence[str] = (),
     module: str = "node.cli",
+    await_model: bool = True,
 ) -> RunningNode:
-    """`shoal run` with a free API port; returns once the API listens and the model is ready.
+    """`shoal run` with a free API port; returns once the API listens and the model is ready here
+    (not awaited with `await_model=False`: when the model may be placed on other nodes).
 
     `model` is a model reference, `DEFAULT` (no `--model` flag) or None (`--no-model`). By default
     the node stays on loopback with mDNS off; with `netns` it runs inside that network namespace
@@ -154,7 +156,7 @@ def start_node(
     try:
         node.base_url = str(node.wait_for_log(_LISTENING, ready_timeout).group(1))
         node.p2p_addr = str(node.wait_for_log(_P2P, ready_timeout).group(1))
-        if model is not None:
+        if model is not None and await_model:
             node.model_id = node.wait_for_log(_READY, ready_timeout).group(1)
     except BaseException:
         node.stop()

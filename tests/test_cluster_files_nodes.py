@@ -50,8 +50,8 @@ class Trio:
     """A's model folder; an empty tmpfs for B and C."""
     data: dict[str, Path]
     """node id -> data dir."""
-    start_peer: Callable[[Path], RunningNode]
-    """Start (or restart) a node like B and C on this data dir."""
+    start_peer: Callable[..., RunningNode]
+    """Start (or restart) a node like B and C on this data dir (with `model=X`: `--model X`)."""
 
     @property
     def nodes(self) -> list[RunningNode]:
@@ -72,10 +72,17 @@ def trio_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     a = start_node(*common, "--api-key", API_KEY, data_dir=dirs[0], model=None, env=env, module=SLOW)
     started = [a]
 
-    def start_peer(data_dir: Path) -> RunningNode:
-        peer = ("--peer", a.p2p_addr)
+    def start_peer(data_dir: Path, model: str | None = None) -> RunningNode:
+        peer, hide = ("--peer", a.p2p_addr), hidden_from(hidden)
         node = start_node(
-            *common, *peer, data_dir=data_dir, model=None, env=env, prefix=hidden_from(hidden), module=SLOW
+            *common,
+            *peer,
+            data_dir=data_dir,
+            model=model,
+            env=env,
+            prefix=hide,
+            module=SLOW,
+            await_model=False,
         )
         started.append(node)
         return node
@@ -252,7 +259,9 @@ def _secret_guards_the_files(trio: Trio, manifest: Manifest) -> None:
     assert httpx.get(url, headers=stranger, timeout=10).status_code == 403
 
 
-def test_a_gguf_on_one_node_serves_over_three(trio_cluster: Trio, builtin_model_dir: Path) -> None:
+def test_a_gguf_on_one_node_serves_over_three(
+    trio_cluster: Trio, builtin_model_dir: Path, tmp_path: Path
+) -> None:
     trio = trio_cluster
     original = trio.hidden / "original"  # the first test's weights, as llama.cpp would write them
     if not original.is_dir():
@@ -269,6 +278,23 @@ def test_a_gguf_on_one_node_serves_over_three(trio_cluster: Trio, builtin_model_
         assert (copy / "config.json").is_file() and (copy / "model.safetensors").is_file()
     _delete(trio, instance)
     _relaunch_by_name(trio, instance, trio.b)
+    _run_by_name(trio, instance, tmp_path)
+
+
+def _run_by_name(trio: Trio, instance: dict[str, Any], tmp_path: Path) -> None:
+    """`shoal run --model tiny-gguf` on a fourth node that cannot see the file: it asks the
+    cluster, which places the model (on the holders) and the node keeps running."""
+    d = trio.start_peer(tmp_path / "d", instance["model"])
+    try:
+
+        def placed() -> dict[str, Any]:
+            return next((i for i in _view(trio.a)["instances"] if i["model"] == instance["model"]), {})
+
+        again = wait_until(placed, 60, "the model placed by the fourth node's --model")
+        assert again["manifest_id"] == instance["manifest_id"] and d.process.poll() is None
+        _delete(trio, again)
+    finally:
+        d.stop()
 
 
 SERVED = re.compile(r"^served (\S+) /v1/files/(\w+)/(\S+) from (\d+) (\d+)$")

@@ -83,6 +83,19 @@ def test_an_import_that_fails_after_the_start_stops_the_node_cleanly(tmp_path: P
     assert "Q8_0 scales overflow float16 (or are not finite in the file)" in node.log[-1]
 
 
+def test_a_name_no_node_of_the_cluster_holds_stops_the_node_once_it_asked(tmp_path: Path) -> None:
+    """A plain name this node lacks may be a peer's model (`node.model_finder`): the node starts,
+    asks the cluster (here only itself) once it has a leader, and stops with exit 2 and both reasons."""
+    node = spawn_node(_run_command(tmp_path / "data", "no-such-model"))
+    try:
+        node.wait_for_log("API listening", EXIT_BOUND_S)
+        assert node.process.wait(EXIT_BOUND_S) == 2
+    finally:
+        node.stop()
+    assert node.log[-1].startswith("shoal: cannot serve 'no-such-model': model 'no-such-model' not found")
+    assert node.log[-1].rstrip().endswith("nor does any node of the cluster hold 'no-such-model'")
+
+
 def _with_memory(limit_bytes: int) -> list[str]:
     """A prefix: the node runs in a mount namespace whose cgroup v2 files say it may use
     `limit_bytes` (`node.cpu.memory` reads them), as in a container that small (needs root)."""

@@ -2,7 +2,8 @@
 never serve stops it at once (exit 2, the reason on stderr) instead of leaving a node that serves
 nothing while a service manager sees success.
 
-- Every reference: `locate_model` (a path that does not exist, a name that names nothing).
+- Every reference: `locate_model` (a path that does not exist); a plain name this node lacks is
+  left to the cluster (`preflight` returns None).
 - The built-in model: its GGUF is installed, or in the data dir, or downloaded now
   (`node.models.builtin_fetch`); without network and file the node does not start.
 - A `.gguf` not imported yet: its header, read in a child process (numpy and gguf-py stay out of
@@ -26,8 +27,8 @@ import sys
 from pathlib import Path
 
 from node.models.gguf import CHILD_IMPORT_ERROR_RC, GGUFImportError, is_current_import
-from node.models.resolve import locate_model
-from node.models.store import ResolvedModel
+from node.models.resolve import is_plain_name, locate_model
+from node.models.store import ModelResolveError, ResolvedModel
 
 log = logging.getLogger("shoal.models")
 
@@ -37,10 +38,19 @@ CHECK_TIMEOUT_S = 60.0
 a child still running after this long is given up on, and the node starts without the check."""
 
 
-def preflight(ref: str, data_dir: Path) -> ResolvedModel:
+def preflight(ref: str, data_dir: Path) -> ResolvedModel | None:
     """Raise `ModelResolveError` (a `ValueError`) with the reason when `ref` can never be served
-    here; download the built-in model's file if it is needed and missing. Blocking."""
-    located = locate_model(ref, data_dir)
+    here; download the built-in model's file if it is needed and missing. Blocking. None: a plain
+    name this node does not have, which the cluster may (`node.model_finder`): the node starts and
+    asks it, and exits 2 when no node holds it either (`InstanceRequests.ensure`)."""
+    try:
+        located = locate_model(ref, data_dir)
+    except ModelResolveError:
+        name = ref.strip()
+        if not is_plain_name(name) or name.lower().endswith(".gguf"):  # a path or a file: here or nowhere
+            raise
+        log.info("%r is not a model of this node: the cluster is asked for it once it forms", ref)
+        return None
     if located.source == "builtin":
         from node.models.builtin_fetch import fetch_builtin_gguf
 

@@ -46,9 +46,9 @@ def locate_model(ref: str, data_dir: Path) -> ResolvedModel:
     if path.exists():
         raise ModelResolveError(f"{ref!r} is a file but not a .gguf: give a model folder, .gguf or repo id")
     local = models_dir(data_dir) / ref
-    if _is_plain_name(ref) and is_model_dir(local):
+    if is_plain_name(ref) and is_model_dir(local):
         return ResolvedModel(ref, local.resolve(), "local")
-    if ref.startswith(f"{CLUSTER_SUBDIR}/") and _is_plain_name(ref.split("/", 1)[1]) and is_model_dir(local):
+    if ref.startswith(f"{CLUSTER_SUBDIR}/") and is_plain_name(ref.split("/", 1)[1]) and is_model_dir(local):
         return ResolvedModel(ref, local.resolve(), "local")  # fetched from peers, as listed
     if looks_like_repo_id(ref):
         return ResolvedModel(ref, hub_model_dir(ref, data_dir), "hub")
@@ -92,6 +92,7 @@ def gguf_model_name(gguf_path: Path) -> str:
     return name
 
 
-def _is_plain_name(ref: str) -> bool:
+def is_plain_name(ref: str) -> bool:
+    """A name, not a path: what a model of a data dir (this node's or a peer's) is called."""
     store_folders = (HUB_SUBDIR, CLUSTER_SUBDIR)
     return not ref.startswith(".") and ref not in store_folders and "/" not in ref and "\\" not in ref
