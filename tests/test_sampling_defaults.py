@@ -13,9 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,19 +22,17 @@ import mlx.core as mx
 import pytest
 import trio
 
-from node.cpu.fastpath import runner_environment
 from node.model_sampling import ModelSampling
 from node.models.gguf_sampling import gguf_generation_config
 from node.pipeline.shard import request_sampler
-from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
+from node.pipeline.stage import StageProcess
 from node.runner.generation_config import read_sampling_defaults
-from node.runner.supervisor import RunnerSpec, RunnerSupervisor
-from protocol.chat import ChatMessage, GenerateRequest, SamplingParams
-from protocol.events import ChunkEvent, Finish, TextDelta
-from protocol.ids import ModelId, RequestId
+from node.runner.supervisor import RunnerSupervisor
+from protocol.chat import SamplingParams
 from protocol.manifest import FileEntry, Manifest
 from protocol.sampling import SERVER_DEFAULTS, Sampling, SamplingDefaults, model_defaults, resolve_sampling
 from tests.nodes import RunningNode
+from tests.test_seeded_sampling import answer, request, second_stage_of, spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -200,8 +196,6 @@ def test_v1_models_shows_the_effective_defaults(random_node: RunningNode) -> Non
 
 
 # --- real runner processes ----------------------------------------------------------------------
-MODEL = ModelId("tiny")
-PROMPT = "Write a short poem about the tide."
 PICKY = {"do_sample": True, "temperature": 0.9, "top_k": 5, "min_p": 0.1}
 """A model's sampling defaults unlike the server's (temperature 0.8, top-k 40, min-p 0.05)."""
 
@@ -229,35 +223,12 @@ def picky_model(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def picky_second_stage(picky_model: Path) -> Iterator[StageProcess]:
-    """Layer 1 (of 2) of the picky model, with the BLAS settings a node gives its stages."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.update(runner_environment(env))
-    stage = spawn_stage(picky_model, start=1, env=env)
-    try:
-        yield wait_ready(stage)
-    finally:
-        stage.stop()
-
-
-def spec(model_dir: Path, pipeline: tuple[int, str, tuple[str, ...]] | None = None) -> RunnerSpec:
-    """The same prefill chunks on every path and no prefix cache (`test_seeded_sampling`)."""
-    return RunnerSpec(
-        MODEL, model_path=model_dir, prefill_step_size=16, prefix_cache_tokens=0, pipeline=pipeline
-    )
+    with second_stage_of(picky_model) as stage:
+        yield stage
 
 
 async def text_of(runner: RunnerSupervisor, rid: str, params: SamplingParams) -> str:
-    request = GenerateRequest(
-        request_id=RequestId(rid),
-        model=MODEL,
-        messages=(ChatMessage(role="user", content=PROMPT),),
-        params=params,
-    )
-    stream: AbstractAsyncContextManager[AsyncIterator[ChunkEvent]] = runner.open_stream(request)
-    async with stream as events:
-        seen = [event async for event in events]
-    assert isinstance(seen[-1], Finish), seen[-1]
-    return "".join(e.text for e in seen if isinstance(e, TextDelta))
+    return (await answer(runner.open_stream(request(rid, params))))[0]
 
 
 def test_requests_without_sampling_fields_take_the_models_defaults(

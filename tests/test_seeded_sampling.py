@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -70,16 +70,22 @@ def test_top_k_draws_only_among_the_k_most_likely(seed: int | None) -> None:
     assert len({cast(int, everything(logprobs).item()) for _ in range(60)}) > 3
 
 
-@pytest.fixture
-def second_stage(random_model_dir: Path) -> Iterator[StageProcess]:
-    """Layer 1 (of 2) of the random model, with the BLAS settings a node gives its stages."""
+@contextmanager
+def second_stage_of(model_dir: Path) -> Iterator[StageProcess]:
+    """Layer 1 (of 2) of a 2-layer model, with the BLAS settings a node gives its stages."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.update(runner_environment(env))
-    stage = spawn_stage(random_model_dir, start=1, env=env)
+    stage = spawn_stage(model_dir, start=1, env=env)
     try:
         yield wait_ready(stage)
     finally:
         stage.stop()
+
+
+@pytest.fixture
+def second_stage(random_model_dir: Path) -> Iterator[StageProcess]:
+    with second_stage_of(random_model_dir) as stage:
+        yield stage
 
 
 def spec(model_dir: Path, pipeline: tuple[int, str, tuple[str, ...]] | None = None) -> RunnerSpec:

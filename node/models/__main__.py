@@ -1,4 +1,5 @@
-"""`python -m node.models [DATA_DIR]`: prepare the built-in model (what `make install` runs)."""
+"""`python -m node.models [DATA_DIR]`: import the built-in model from its GGUF (`shoal prepare`
+also fetches the file when it is missing)."""
 
 import sys
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from node.models.store import ModelResolveError, folder_lock
+from node.models.json_child import GGUFImportError, run_child
+from node.models.store import folder_lock
 
 __all__ = ["GGUFImportError", "ensure_gguf_model", "import_gguf"]
 
@@ -46,18 +45,13 @@ MARKER_FILE = "shoal_import.json"
 """Written last into an imported folder: which file (path, size, mtime) it was made from, and how."""
 WEIGHTS_FILE = "model.safetensors"
 CHILD_MODULE = "node.models.gguf_child"
-"""Run as `python -m CHILD_MODULE SRC DST`: prints one JSON line, exits 2 on a `GGUFImportError`."""
-CHILD_IMPORT_ERROR_RC = 2
+"""Run as `python -m CHILD_MODULE SRC DST` (`node.models.json_child`'s protocol)."""
 IMPORT_TIMEOUT_BASE_S = 300.0
 IMPORT_TIMEOUT_BYTES_PER_S = 10e6
 """A child import may take BASE + size / BYTES_PER_S seconds (a 4 GB file: ~12 min). Converting
 ran at 100-480 MB/s of GGUF on this 2-core host (Q6_K's requantization: 37 MB/s), so only a hung
 or thrashing child hits it; the limit exists because the node holds the folder lock meanwhile
 and would otherwise wait forever."""
-
-
-class GGUFImportError(ModelResolveError):
-    """A .gguf file that cannot be turned into a faithful mlx-lm model folder."""
 
 
 def import_timeout_s(size_bytes: int) -> float:
@@ -99,32 +93,16 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 def import_in_child(gguf_path: Path, out_dir: Path) -> str:
     """Run the import in a child Python process; its summary line, or its `GGUFImportError`."""
-    root = str(Path(__file__).resolve().parents[2])  # the folder that holds the `node` package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     timeout = import_timeout_s(gguf_path.stat().st_size)
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", CHILD_MODULE, str(gguf_path), str(out_dir)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            check=False,
-        )
+        done = run_child(CHILD_MODULE, [str(gguf_path), str(out_dir)], timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise GGUFImportError(f"importing {gguf_path} did not finish within {timeout:.0f} s") from exc
-    lines = done.stdout.strip().splitlines()
-    try:
-        result = json.loads(lines[-1]) if lines else {}
-    except ValueError:
-        result = {}
-    if done.returncode == CHILD_IMPORT_ERROR_RC and "error" in result:
-        raise GGUFImportError(str(result["error"]))
-    if done.returncode != 0 or "summary" not in result:
-        tail = (done.stderr or done.stdout).strip()[-2000:]
-        rc = done.returncode
+    done.raise_refusal()
+    if done.returncode != 0 or "summary" not in done.answer:
+        rc, tail = done.returncode, done.tail
         raise GGUFImportError(f"importing {gguf_path} failed in its child process (exit {rc}): {tail}")
-    return str(result["summary"])
+    return str(done.answer["summary"])
 
 
 def _remove_partials(out_dir: Path) -> None:

@@ -20,13 +20,13 @@ true}` (exit 0) or `{"error": "..."}` (exit 2).
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
 from pathlib import Path
 
-from node.models.gguf import CHILD_IMPORT_ERROR_RC, GGUFImportError, is_current_import
+from node.models.gguf import is_current_import
+from node.models.json_child import GGUFImportError, child_main, run_child
 from node.models.resolve import is_plain_name, locate_model
 from node.models.store import ModelResolveError, ResolvedModel
 
@@ -67,22 +67,14 @@ def preflight(ref: str, data_dir: Path) -> ResolvedModel | None:
 
 def check_gguf(path: Path) -> None:
     """Raise `GGUFImportError` when the import would refuse `path` for what its header says."""
-    command = [sys.executable, "-m", CHECK_MODULE, str(path)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, check=False)
+        done = run_child(CHECK_MODULE, [str(path)], timeout=CHECK_TIMEOUT_S, tail_chars=500)
     except subprocess.TimeoutExpired:
         log.warning("checking %s took over %.0f s; starting without the check", path, CHECK_TIMEOUT_S)
         return
-    lines = done.stdout.strip().splitlines()
-    try:
-        verdict = json.loads(lines[-1]) if lines else {}
-    except ValueError:
-        verdict = {}
-    if done.returncode == CHILD_IMPORT_ERROR_RC and "error" in verdict:
-        raise GGUFImportError(str(verdict["error"]))
-    if done.returncode != 0 or not verdict.get("ok"):  # the checker itself broke: the import will tell
-        tail = (done.stderr or done.stdout).strip()[-500:]
-        log.warning("could not check %s before starting (exit %d): %s", path, done.returncode, tail)
+    done.raise_refusal()
+    if done.returncode != 0 or not done.answer.get("ok"):  # the checker itself broke: the import will tell
+        log.warning("could not check %s before starting (exit %d): %s", path, done.returncode, done.tail)
 
 
 def check_header(path: Path) -> None:
@@ -106,17 +98,13 @@ def check_header(path: Path) -> None:
             raise GGUFImportError(f"tensor {name!r} has type {qtype.name}: not supported")
 
 
+def _check(path: Path) -> dict[str, bool]:
+    check_header(path)
+    return {"ok": True}
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m node.models.preflight FILE.gguf", file=sys.stderr)
-        return 64
-    try:
-        check_header(Path(argv[0]))
-    except GGUFImportError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
-        return CHILD_IMPORT_ERROR_RC
-    print(json.dumps({"ok": True}), flush=True)
-    return 0
+    return child_main(argv, "node.models.preflight FILE.gguf", _check)
 
 
 if __name__ == "__main__":
