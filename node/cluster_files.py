@@ -21,6 +21,7 @@ Files are served only to live members (`members`) who sign with the cluster key 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -137,18 +138,25 @@ def _read_sidecars(data_dir: Path) -> list[tuple[Manifest, Path, str]]:
 
 
 def placeable(models: Iterable[LocalModel], data_dir: Path) -> list[LocalModel]:
-    """`models` without the copies fetched from peers that lack some of their files (a stage's
-    shards only) or whose sidecar is unreadable: those cannot be placed by name. Blocking."""
+    """`models` as the dashboard offers them to place by name, each name once: a copy fetched from
+    peers under the model's own name (its sidecar's; this node serves it by that name), and only a
+    complete one (not a stage's shards, nor one whose sidecar is unreadable). Blocking."""
     root = (models_dir(data_dir) / CLUSTER_SUBDIR).resolve()
 
-    def complete(folder: Path) -> bool:
-        read = _read_sidecar(folder)
+    def named(model: LocalModel) -> LocalModel | None:
+        if not model.path.resolve().is_relative_to(root):
+            return model
+        read = _read_sidecar(model.path)
         try:
-            return read is not None and all((folder / f.path).stat().st_size == f.size for f in read[0].files)
+            whole = read is not None and all(
+                (model.path / f.path).stat().st_size == f.size for f in read[0].files
+            )
         except OSError:  # a file missing
-            return False
+            return None
+        return dataclasses.replace(model, name=read[1] or model.name) if whole and read else None
 
-    return [m for m in models if not m.path.resolve().is_relative_to(root) or complete(m.path)]
+    found = [m for m in map(named, models) if m is not None]
+    return [m for i, m in enumerate(found) if m.name not in {f.name for f in found[:i]}]
 
 
 class ClusterFiles:
@@ -177,8 +185,14 @@ class ClusterFiles:
 
     # --- what this node holds ------------------------------------------------------------------
     async def describe(self, source: str) -> Described:
-        """Resolve `source`, hash the folder, offer it; raises `ValueError` or `OSError`."""
+        """Resolve `source`, hash the folder, offer it; raises `ValueError` or `OSError`. A whole
+        copy fetched from peers (`cluster/<manifest id>`) keeps its manifest and name: its files no
+        longer say which .gguf they came from."""
         resolved = await trio.to_thread.run_sync(resolve_model, source, self._data_dir)
+        copy = self.named(f"{CLUSTER_SUBDIR}/{resolved.path.name}")
+        if copy is not None and copy[1].resolve() == resolved.path.resolve():
+            self._described[source] = Described(copy[0], "", copy[2])
+            return self._described[source]
         manifest = await trio.to_thread.run_sync(
             functools.partial(
                 folder_manifest,

@@ -113,10 +113,16 @@ async def serving(app: ASGIApp) -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def file_peer(
-    folder: Path, *, key: bytes = KEY, corrupt_first: int = 0, pause_per_chunk_s: float = 0.0
+    folder: Path,
+    *,
+    key: bytes = KEY,
+    corrupt_first: int = 0,
+    pause_per_chunk_s: float = 0.0,
+    derived_from: Path | None = None,
 ) -> AsyncIterator[tuple[str, Recorder, Manifest]]:
-    """A node holding the model in `folder`: yields its URL, what it served, and the manifest."""
-    manifest = folder_manifest(folder, HashCache(None))
+    """A node holding the model in `folder` (imported from the .gguf `derived_from`): yields its
+    URL, what it served, and the manifest."""
+    manifest = folder_manifest(folder, HashCache(None), derived_from=derived_from)
     server = FileServer(key)
     server.offer(manifest, folder)
     recorder = Recorder(file_app(server), corrupt_first=corrupt_first, pause_per_chunk_s=pause_per_chunk_s)

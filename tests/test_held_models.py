@@ -104,7 +104,7 @@ def test_each_node_with_its_share_of_each_model_and_who_uses_it() -> None:
     assert (held.model, held.files_held, held.bytes_total) == ("harbour-llama", None, None)
 
 
-def test_a_partial_copy_from_peers_is_not_placeable(tmp_path: Path) -> None:
+def test_a_partial_copy_from_peers_is_not_placeable_and_a_whole_one_goes_by_its_name(tmp_path: Path) -> None:
     models = tmp_path / "models"
     whole, part = _manifest(4), _manifest(4, 4)
     for manifest in (whole, part):
@@ -119,5 +119,8 @@ def test_a_partial_copy_from_peers_is_not_placeable(tmp_path: Path) -> None:
     (unsure / "config.json").write_text("{}")
     (models / "plain").mkdir()
     (models / "plain" / "config.json").write_text("{}")
-    names = [m.name for m in placeable(list_local_models(tmp_path), tmp_path)]
-    assert sorted(names) == sorted(["plain", f"cluster/{whole.id}"])
+    listed = {m.name: m.path for m in placeable(list_local_models(tmp_path), tmp_path)}
+    assert listed == {"plain": models / "plain", "m": models / "cluster" / whole.id}  # by its name
+    (models / "m").mkdir()  # an import of the same model here: each name listed once
+    (models / "m" / "config.json").write_text("{}")
+    assert sorted(m.name for m in placeable(list_local_models(tmp_path), tmp_path)) == ["m", "plain"]

@@ -13,10 +13,10 @@ from protocol.cluster_records import Holding, InstanceRecord, NodeHoldings, Stag
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import FileEntry, manifest_of
 from protocol.model_names import distinct_name, holders_named, names_in_use
-from tests.file_peers import run, sharded_model, write_files
-from tests.test_cluster_files import PEER, FakeCluster, files_of
+from tests.file_peers import file_peer, run, sharded_model, write_files
+from tests.test_cluster_files import ME, PEER, FakeCluster, files_of
 
-A, B, C, ME = (NodeId(n) for n in ("node-a", "node-b", "node-c", "node-me"))
+A, B, C = (NodeId(n) for n in ("node-a", "node-b", "node-c"))
 ONE = manifest_of([FileEntry(path="config.json", size=2, sha256="1" * 64)])
 TWO = manifest_of([FileEntry(path="config.json", size=3, sha256="2" * 64)])
 
@@ -88,5 +88,29 @@ def test_a_second_model_with_a_taken_folder_name_is_offered_under_a_distinct_nam
         assert files.named(expected) is not None and files.named("tiny") is None
         assert files.named(f"cluster/{described.manifest.id}") is not None
         assert (await files.describe(str(mine))).name == expected
+
+    run(main)
+
+
+def test_a_whole_copy_from_peers_is_described_by_its_own_manifest_and_name(tmp_path: Path) -> None:
+    """`cluster/<manifest id>` (as `shoal models --local` lists it) or its name: the manifest the
+    peers know (naming the .gguf it was imported from), not one hashed afresh from the files, and
+    the model's name, not the folder's."""
+    source, gguf = tmp_path / "peer" / "tiny", tmp_path / "peer" / "tiny.gguf"
+    write_files(source, sharded_model(2, 5_000))
+    gguf.write_bytes(b"GGUF, as imported")
+
+    async def main() -> None:
+        async with file_peer(source, derived_from=gguf) as (url, _served, manifest):
+            assert manifest.derived_from is not None
+            cluster = FakeCluster()
+            cluster.peer_holds(manifest, url)
+            files = files_of(cluster, tmp_path / "me")
+            stage = StageAssignment(ME, 0, 2)
+            record = InstanceRecord(InstanceId("i"), ModelId("tiny"), (stage,), "/elsewhere/tiny", manifest)
+            folder = await files.folder_for(record, stage)
+            described = await files.describe(f"cluster/{manifest.id}")
+            assert (described.manifest, described.name) == (manifest, "tiny")
+            assert files.named("tiny") == (manifest, folder, "tiny")
 
     run(main)
