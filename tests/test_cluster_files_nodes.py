@@ -296,6 +296,13 @@ def _run_by_name(trio: Trio, instance: dict[str, Any], tmp_path: Path) -> None:
     finally:
         d.stop()
 
+    def gone() -> bool:  # else the next placement may still count on it
+        return all(
+            m["status"] != "alive" for n in trio.nodes for m in _view(n)["members"] if m["id"] == d.node_id
+        )
+
+    wait_until(gone, 60, "the fourth node no longer alive in any view", interval=0.2)
+
 
 SERVED = re.compile(r"^served (\S+) /v1/files/(\w+)/(\S+) from (\d+) (\d+)$")
 WEIGHTS = "model.safetensors"
