@@ -18,6 +18,7 @@ from node.models.gguf_arch import (
     is_quantizable,
     permute_order,
     unpermute_order,
+    weight_rank,
 )
 from tests.model_factory import llama_cpp_permute
 
@@ -55,6 +56,32 @@ def test_qwen2_config_and_its_head_dim_limit() -> None:
         build_config(_meta("qwen2", **{"qwen2.attention.key_length": 128}), has_output=True)
 
 
+def test_qwen3moe_config_has_qwen3_moe_expert_fields() -> None:
+    experts = {"qwen3moe.expert_count": 128, "qwen3moe.expert_used_count": 8}
+    meta = _meta("qwen3moe", **experts, **{"qwen3moe.expert_feed_forward_length": 768})
+    config = build_config(meta, has_output=True)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["model_type"] == "qwen3_moe"
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (
+        128,
+        8,
+        768,
+    )
+    assert (config["decoder_sparse_step"], config["mlp_only_layers"], config["norm_topk_prob"]) == (
+        1,
+        [],
+        True,
+    )
+    assert config["intermediate_size"] == 3072  # the file's feed_forward_length (used by no layer)
+    del meta["qwen3moe.feed_forward_length"]
+    assert build_config(meta, has_output=True)["intermediate_size"] == 768
+    for key, value in [("expert_used_count", None), ("expert_used_count", 129), ("expert_shared_count", 1)]:
+        broken = _meta(
+            "qwen3moe", **{**experts, "qwen3moe.expert_feed_forward_length": 768, f"qwen3moe.{key}": value}
+        )
+        with pytest.raises(GGUFImportError, match="expert"):
+            build_config(broken, has_output=True)
+
+
 @pytest.mark.parametrize(
     ("arch", "overrides", "fragment"),
     [
@@ -70,18 +97,26 @@ def test_unsupported_metadata_is_refused(arch: str, overrides: dict[str, Any], f
         build_config(_meta(arch, **overrides), has_output=False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
 def test_tensor_sets_per_architecture(arch: str) -> None:
     names = expected_tensors(arch, 2, has_output=True)
     check_tensor_names(names, arch, 2)
+    moe = arch == "qwen3moe"
     assert ("blk.1.attn_q.bias" in names) is (arch == "qwen2")
-    assert ("blk.0.attn_k_norm.weight" in names) is (arch == "qwen3")
+    assert ("blk.0.attn_k_norm.weight" in names) is (arch in ("qwen3", "qwen3moe"))
+    assert ("blk.1.ffn_up_exps.weight" in names) is moe and ("blk.1.ffn_up.weight" in names) is not moe
     with pytest.raises(GGUFImportError, match="lacks tensors"):
-        check_tensor_names(names - {"blk.1.ffn_down.weight"}, arch, 2)
+        check_tensor_names(
+            names - {"blk.1.ffn_down_exps.weight" if moe else "blk.1.ffn_down.weight"}, arch, 2
+        )
     with pytest.raises(GGUFImportError, match="not part of an mlx-lm"):
         check_tensor_names(names | {"blk.0.attn_output.bias"}, arch, 2)
-    with pytest.raises(GGUFImportError, match=r"no .* equivalent"):
-        check_tensor_names(names | {"blk.0.ffn_gate_exps.weight"}, arch, 2)
+    with pytest.raises(GGUFImportError, match="not part of an mlx-lm"):  # the other kind of ffn
+        check_tensor_names(
+            names | {"blk.0.ffn_gate.weight" if moe else "blk.0.ffn_gate_exps.weight"}, arch, 2
+        )
+    with pytest.raises(GGUFImportError, match=r"no .* equivalent"):  # shared experts: not in qwen3_moe
+        check_tensor_names(names | {"blk.0.ffn_gate_shexp.weight"}, arch, 2)
     check_tensor_names(names - {"output.weight"}, arch, 2)  # tied: fine too
 
 
@@ -91,6 +126,10 @@ def test_only_linear_and_embedding_weights_are_quantizable() -> None:
     assert not is_quantizable("model.layers.0.self_attn.q_proj.bias")
     assert not is_quantizable("model.layers.0.self_attn.q_norm.weight")
     assert not is_quantizable("model.norm.weight")
+    assert is_quantizable("model.layers.0.mlp.gate.weight")  # a MoE router is a Linear
+    assert is_quantizable("model.layers.0.mlp.switch_mlp.down_proj.weight")
+    assert weight_rank("model.layers.0.mlp.switch_mlp.down_proj.weight") == 3
+    assert weight_rank("model.layers.0.mlp.down_proj.weight") == 2
 
 
 @pytest.mark.parametrize(("n_heads", "head_dim"), [(9, 64), (3, 64), (4, 16), (1, 2)])

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from tokenizers import pre_tokenizers
 
 from node.models import GGUFImportError, import_gguf
@@ -35,6 +36,8 @@ EXACT = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
 READ = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 """Types the import reads but not exactly: fp16-rounded scales, or requantized (Q6_K)."""
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 256
+"""qwen3moe: experts per layer, chosen per token, and each expert's ffn width (K-quant rows: 256)."""
 ROPE_BASE = 500000.0
 
 
@@ -79,13 +82,20 @@ class TinyModel:
                 "attn_v.weight": (kv_rows, HIDDEN),
                 "attn_output.weight": (HIDDEN, q_rows),
                 "ffn_norm.weight": (HIDDEN,),
-                "ffn_gate.weight": (FFN, HIDDEN),
-                "ffn_up.weight": (FFN, HIDDEN),
-                "ffn_down.weight": (HIDDEN, FFN),
             }
+            if self.arch == "qwen3moe":
+                layer |= {
+                    "ffn_gate_inp.weight": (EXPERTS, HIDDEN),
+                    "ffn_gate_exps.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
+                    "ffn_up_exps.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
+                    "ffn_down_exps.weight": (EXPERTS, HIDDEN, EXPERT_FFN),
+                }
+            else:
+                layer |= {"ffn_gate.weight": (FFN, HIDDEN), "ffn_up.weight": (FFN, HIDDEN)}
+                layer |= {"ffn_down.weight": (HIDDEN, FFN)}
             if self.arch == "qwen2":
                 layer |= {"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)}
-            if self.arch == "qwen3":
+            if self.arch in ("qwen3", "qwen3moe"):
                 layer |= {"attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,)}
             shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
         return shapes
@@ -104,6 +114,10 @@ _HF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 
 
@@ -137,6 +151,10 @@ def write_tiny_gguf(
         f"{a}.rope.dimension_count": spec.head_dim,
     }.items():
         writer.add_uint32(key, value)
+    if a == "qwen3moe":
+        writer.add_uint32(f"{a}.expert_count", EXPERTS)
+        writer.add_uint32(f"{a}.expert_used_count", EXPERTS_USED)
+        writer.add_uint32(f"{a}.expert_feed_forward_length", EXPERT_FFN)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_float32(f"{a}.rope.freq_base", ROPE_BASE)
     writer.add_string("tokenizer.ggml.model", meta["tokenizer.ggml.model"])
@@ -158,7 +176,8 @@ def write_tiny_gguf(
         part = name.split(".")[-2]
         qtype = spec.types.get(part, spec.default)
         if qtype not in EXACT:  # random valid blocks (gguf-py cannot quantize K-quants)
-            raw = random_k_blocks(qtype, shape[0], shape[1], seed=seed * 1000 + i)
+            n_rows = int(np.prod(shape[:-1]))  # experts' (experts, rows, cols): rows of rows
+            raw = random_k_blocks(qtype, n_rows, shape[-1], seed=seed * 1000 + i).reshape(*shape[:-1], -1)
         else:
             raw = quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype if raw.dtype == np.uint8 else None)
@@ -225,7 +244,24 @@ CASES = {
         "qwen3", types={"attn_q": Q.Q4_1, "output": Q.Q6_K}, default=Q.F32, head_dim=128
     ),
     "llama-f32": TinyModel("llama", default=Q.F32),
+    "qwen3moe-q8-q4-experts": TinyModel(
+        "qwen3moe",
+        types={"ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0},
+        default=Q.F32,
+    ),
+    "qwen3moe-kquant-experts-quantized-router": TinyModel(
+        "qwen3moe",
+        types={
+            "ffn_gate_exps": Q.Q4_K,
+            "ffn_up_exps": Q.Q5_K,
+            "ffn_down_exps": Q.Q6_K,
+            "ffn_gate_inp": Q.Q8_0,
+        },
+        default=Q.Q4_1,
+        tied=True,
+    ),
 }
+MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -236,7 +272,8 @@ def test_imported_layers_and_logits_match_gguf_py(name: str, tmp_path: Path) -> 
     reference, kinds = write_tiny_gguf(spec, tmp_path / "tiny.gguf")
     imported = import_gguf(tmp_path / "tiny.gguf", tmp_path / "imported")
     config = json.loads((imported / "config.json").read_text())
-    assert (config["model_type"], config["tie_word_embeddings"]) == (spec.arch, spec.tied)
+    model_type = MODEL_TYPES.get(spec.arch, spec.arch)
+    assert (config["model_type"], config["tie_word_embeddings"]) == (model_type, spec.tied)
     assert config["head_dim"] == spec.head_dim
     if spec.rope_freqs:
         assert config["rope_scaling"] == {
@@ -256,12 +293,12 @@ def test_imported_layers_and_logits_match_gguf_py(name: str, tmp_path: Path) -> 
         module = modules[path]
         expected = reference[hf]
         if qtype in (Q.F32, Q.F16, Q.BF16):
-            assert type(module) in (nn.Linear, nn.Embedding), path
+            assert type(module) in (nn.Linear, nn.Embedding, SwitchLinear), path
             dtype = {Q.F32: mx.float32, Q.F16: mx.float16, Q.BF16: mx.bfloat16}[qtype]
             assert module.weight.dtype == dtype, path  # 16-bit stays 16-bit
             assert np.array_equal(np.array(module.weight.astype(mx.float32)), expected), path
             continue
-        assert isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding), path
+        assert isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear), path
         bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4}.get(qtype, 8)
         assert (module.bits, module.group_size, module.mode) == (bits, 32, "affine"), path
         assert quant is not None and quant.get(path, quant)["bits"] == bits  # default or an override

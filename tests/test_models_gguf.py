@@ -39,7 +39,7 @@ def test_tensor_names(gguf_name: str, hf_name: str) -> None:
     assert hf_tensor_name(gguf_name) == hf_name
 
 
-@pytest.mark.parametrize("name", ["blk.0.ffn_gate_exps.weight", "rope_freqs.weight", "blk.x.attn_q.weight"])
+@pytest.mark.parametrize("name", ["blk.0.ffn_gate_shexp.weight", "rope_freqs.weight", "blk.x.attn_q.weight"])
 def test_unknown_tensor_names_are_refused(name: str) -> None:
     with pytest.raises(GGUFImportError, match="no llama equivalent"):
         hf_tensor_name(name)

@@ -30,8 +30,8 @@ def _run_command(data_dir: Path, model: str) -> list[str]:
 
 def _refused_file(case: str, folder: Path) -> Path:
     path = folder / f"{case.replace(' ', '-')}.gguf"
-    if case == "qwen3moe":
-        write_tiny_gguf(TinyModel("qwen3moe"), path)
+    if case == "bert":
+        write_tiny_gguf(TinyModel("bert"), path)
     elif case == "Q5_0 weights":
         write_tiny_gguf(TinyModel("llama", types={"attn_q": Q.Q5_0}), path)
     elif case == "truncated":
@@ -43,7 +43,7 @@ def _refused_file(case: str, folder: Path) -> Path:
 
 
 REFUSED = {
-    "qwen3moe": "architecture 'qwen3moe' is not supported",
+    "bert": "architecture 'bert' is not supported",
     "Q5_0 weights": "tensor 'blk.0.attn_q.weight' has type Q5_0: not supported",
     "truncated": "cannot read",
     "not a GGUF": "GGUF magic invalid",

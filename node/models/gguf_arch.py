@@ -2,10 +2,13 @@
 
 Pure functions of plain metadata and tensor names. Supported: `llama` (llama.cpp's converter
 interleaves each head's rotary halves in the q and k rows, which `unpermute_order` undoes),
-`qwen2` (q/k/v biases) and `qwen3` (q/k RMS norms, its own head_dim); neither qwen is permuted
-(llama.cpp's converter permutes only for its Llama class). Llama 3.x rope scaling arrives as a
-`rope_freqs` tensor of per-dimension factors and is turned back into HF's `rope_scaling`
-(`fit_llama3_rope`). Anything else (MoE, partial rotary, yarn, another architecture) raises
+`qwen2` (q/k/v biases), `qwen3` (q/k RMS norms, its own head_dim) and `qwen3moe` (qwen3's
+attention; every layer a mixture of experts: router `ffn_gate_inp` -> `mlp.gate`, the
+(experts, rows, cols) `ffn_{gate,up,down}_exps` -> mlx-lm's `mlp.switch_mlp.*_proj`, whose
+SwitchLinear weights have the same layout; no shared experts). No qwen is permuted (llama.cpp's
+converter permutes only for its Llama class). Llama 3.x rope scaling arrives as a `rope_freqs`
+tensor of per-dimension factors and is turned back into HF's `rope_scaling` (`fit_llama3_rope`).
+Anything else (other MoE families, partial rotary, yarn, another architecture) raises
 `GGUFImportError`: better no model than one that talks nonsense.
 """
 
@@ -23,8 +26,19 @@ import numpy.typing as npt
 
 from node.models.gguf import GGUFImportError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-"""GGUF `general.architecture` -> HF architecture; the mlx-lm `model_type` is the same word."""
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+"""GGUF `general.architecture` -> HF architecture."""
+MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+"""GGUF architectures whose mlx-lm `model_type` is another word (the others: the same word)."""
+MOE_ARCHITECTURES = frozenset({"qwen3moe"})
+"""Architectures whose every layer's feed-forward is a mixture of experts (no dense ffn tensors)."""
+EXPERT_MODULE = ".switch_mlp."
+"""Part of the HF name of an expert weight: (experts, rows, cols), quantized per row as a 2D one."""
 PERMUTED_QK = frozenset({"llama"})
 """Architectures whose q/k rows llama.cpp's converter permuted."""
 LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
@@ -45,21 +59,37 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
-_BASE_LAYER = (
-    *("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output"),
-    *("ffn_norm", "ffn_gate", "ffn_up", "ffn_down"),
-)
+_BASE_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+_MOE_FFN = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _EXTRA_LAYER = {
     "llama": (),
     "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "qwen3moe": ("attn_q_norm.weight", "attn_k_norm.weight"),
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 QUANTIZABLE = frozenset(
-    ["embed_tokens", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    [
+        "embed_tokens",
+        "lm_head",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate",
+    ]
 )
-"""Modules (last name part) that are Linear/Embedding in mlx-lm and so can hold quantized weights."""
+"""Modules (last name part) that are Linear/Embedding/SwitchLinear in mlx-lm (`gate`: the MoE router)
+and so can hold quantized weights."""
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
@@ -76,9 +106,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 
 
 def expected_tensors(arch: str, n_layers: int, *, has_output: bool) -> set[str]:
-    """The GGUF tensor names a dense `arch` model of `n_layers` has (besides `rope_freqs`)."""
+    """The GGUF tensor names an `arch` model of `n_layers` has (besides `rope_freqs`)."""
     names = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if has_output else set())
-    per_layer = [f"{part}.weight" for part in _BASE_LAYER] + list(_EXTRA_LAYER[arch])
+    ffn = _MOE_FFN if arch in MOE_ARCHITECTURES else _DENSE_FFN
+    per_layer = [f"{part}.weight" for part in (*_BASE_LAYER, *ffn)] + list(_EXTRA_LAYER[arch])
     return names | {f"blk.{i}.{part}" for i in range(n_layers) for part in per_layer}
 
 
@@ -95,9 +126,15 @@ def check_tensor_names(names: Collection[str], arch: str, n_layers: int) -> None
 
 
 def is_quantizable(hf_name: str) -> bool:
-    """Whether `hf_name` is the weight of a Linear/Embedding (the only place MLX takes packed weights)."""
+    """Whether `hf_name` is the weight of a Linear/Embedding/SwitchLinear (the only places MLX takes
+    packed weights)."""
     base, _, kind = hf_name.rpartition(".")
     return kind == "weight" and base.rpartition(".")[2] in QUANTIZABLE
+
+
+def weight_rank(hf_name: str) -> int:
+    """How many dimensions mlx-lm's weight `hf_name` has when it is a matrix: 3 for experts."""
+    return 3 if EXPERT_MODULE in hf_name else 2
 
 
 def permute_order(rows: int, n_heads: int) -> npt.NDArray[np.intp]:
@@ -144,23 +181,24 @@ def build_config(
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise GGUFImportError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
-    if meta.get(f"{arch}.expert_count"):
+    if arch not in MOE_ARCHITECTURES and meta.get(f"{arch}.expert_count"):
         raise GGUFImportError(f"mixture-of-experts {arch} GGUFs are not supported")
     if arch == "qwen2" and head_dim * n_heads != hidden:
         raise GGUFImportError(f"qwen2 with head_dim {head_dim} != hidden/heads is not supported by mlx-lm")
+    ffn_key = "expert_feed_forward_length" if arch in MOE_ARCHITECTURES else "feed_forward_length"
     vocab_size = meta.get(f"{arch}.vocab_size")
     if vocab_size is None:
         vocab_size = len(meta.get("tokenizer.ggml.tokens") or ())
     rope_theta = _float32_decimal(float(meta.get(f"{arch}.rope.freq_base", 10000.0)))
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
         "head_dim": head_dim,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(meta.get(f"{arch}.feed_forward_length") or need(ffn_key)),
         "rms_norm_eps": _float32_decimal(float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
@@ -169,6 +207,8 @@ def build_config(
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if arch in MOE_ARCHITECTURES:
+        config |= moe_config(meta, arch)
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
@@ -186,6 +226,29 @@ def build_config(
     if eot is not None and "eos_token_id" in config and int(eot) != config["eos_token_id"]:
         config["eos_token_id"] = [config["eos_token_id"], int(eot)]
     return config
+
+
+def moe_config(meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """mlx-lm qwen3_moe's expert fields. llama.cpp's qwen3moe makes every layer sparse, routes by
+    softmax over all experts and renormalizes the chosen experts' weights (`norm_w` true), so
+    `norm_topk_prob` is true, `decoder_sparse_step` 1 and no layer is dense."""
+    counts: dict[str, int] = {}
+    for key in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+        if not (value := int(meta.get(f"{arch}.{key}") or 0)):
+            raise GGUFImportError(f"the GGUF metadata has no '{arch}.{key}'")
+        counts[key] = value
+    if counts["expert_used_count"] > counts["expert_count"]:
+        raise GGUFImportError(f"{counts['expert_used_count']} experts per token of {counts['expert_count']}")
+    if int(meta.get(f"{arch}.expert_shared_count") or 0):
+        raise GGUFImportError(f"shared experts in {arch} are not supported")
+    return {
+        "num_experts": counts["expert_count"],
+        "num_experts_per_tok": counts["expert_used_count"],
+        "moe_intermediate_size": counts["expert_feed_forward_length"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
 
 
 def llama3_factors(scaling: Mapping[str, float], *, head_dim: int, base: float) -> npt.NDArray[np.float64]:

@@ -24,6 +24,7 @@ from node.models.gguf_arch import (
     hf_tensor_name,
     is_quantizable,
     unpermute_order,
+    weight_rank,
 )
 from node.models.gguf_quants import (
     AFFINE_BITS,
@@ -70,10 +71,10 @@ class _Tensor:
             self.bits: int | None = None
         elif self.qtype not in AFFINE_BITS:
             raise GGUFImportError(f"tensor {self.gguf_name!r} has type {self.qtype.name}: not supported")
-        elif not is_quantizable(self.hf_name) or len(self.shape) != 2:
+        elif not is_quantizable(self.hf_name) or len(self.shape) != weight_rank(self.hf_name):
             raise GGUFImportError(
-                f"tensor {self.gguf_name!r} is {self.qtype.name}, but only Linear/Embedding weights"
-                " can stay quantized in MLX"
+                f"tensor {self.gguf_name!r} is {self.qtype.name}, but only Linear/Embedding/SwitchLinear"
+                " weights can stay quantized in MLX"
             )
         else:
             self.bits = AFFINE_BITS[self.qtype]
@@ -82,9 +83,9 @@ class _Tensor:
         if self.bits is None:
             return {self.hf_name: (PLAIN_DTYPES[self.qtype], self.shape)}
         base = self.hf_name.removesuffix(".weight")
-        groups = (self.rows, self.cols // GROUP_SIZE)
+        groups = (*self.shape[:-1], self.cols // GROUP_SIZE)  # experts: (experts, rows, groups)
         return {
-            self.hf_name: ("U32", (self.rows, self.cols * self.bits // 32)),
+            self.hf_name: ("U32", (*self.shape[:-1], self.cols * self.bits // 32)),
             f"{base}.scales": ("F16", groups),
             f"{base}.biases": ("F16", groups),
         }

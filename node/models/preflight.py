@@ -7,8 +7,8 @@ nothing while a service manager sees success.
 - The built-in model: its GGUF is installed, or in the data dir, or downloaded now
   (`node.models.builtin_fetch`); without network and file the node does not start.
 - A `.gguf` not imported yet: its header, read in a child process (numpy and gguf-py stay out of
-  the node, as for the import itself): the architecture and its settings (`build_config`: qwen3moe,
-  partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q5_0, IQ*, ...
+  the node, as for the import itself): the architecture and its settings (`build_config`: bert,
+  mamba, partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q5_0, IQ*, ...
   are refused). A file gguf-py cannot read (truncated, not a GGUF) is refused too. ~1 s.
 
 What only the import finds (a tokenizer it cannot rebuild, scales that overflow float16) still
