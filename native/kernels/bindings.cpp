@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "fused.h"
+#include "gather.h"
 #include "layers.h"
 #include "matmul.h"
 #include "stack.h"
@@ -20,6 +21,10 @@ NB_MODULE(_kernels, m) {
   m.def("weight_matmul", &shoal::weight_matmul, "x"_a, "w"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
         "group_size"_a = 64, "bits"_a = 4, nb::kw_only(), "stream"_a = nb::none(),
         "x @ W.T with W as stored; x float32 [..., K]; returns float32 [..., N].");
+  m.def("gather_matmul", &shoal::gather_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a.none(), "indices"_a,
+        nb::kw_only(), "group_size"_a = 64, "bits"_a = 4, "stream"_a = nb::none(),
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine experts; "
+        "float32 [batch..., rows, N].");
   m.def("set_blas_library", &shoal::set_blas_library, "path"_a,
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });

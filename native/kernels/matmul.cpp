@@ -70,44 +70,14 @@ int task_rows(int N, int threads) {
 // block of kMaxRows rows, and every output's rows are cut into tasks of one pool job, so a decode
 // step's q/k/v (or gate/up) wait on one barrier, not three, and the small ones run on every thread.
 void small_products(const Output* outs, size_t count, const float* x, int M) {
-  const Kernels& k = active_kernels();
-  Pool& pool = Pool::instance();
   const Weights& w = *outs[0].w;
-  const int groups = is_affine(w.format) ? w.K / w.group_size : 0;
-  long bytes = 0, rows = 0;
-  for (size_t i = 0; i < count; i++) {
-    bytes += static_cast<long>(outs[i].w->N) * outs[i].w->row_bytes;
-    rows += outs[i].w->N;
-  }
-  const bool parallel = bytes >= kParallelMinBytes && pool.threads() > 1;
-  const int per = parallel ? task_rows(static_cast<int>(rows), pool.threads()) : static_cast<int>(rows);
-  auto tasks_of = [per](const Output& o) { return (o.w->N + per - 1) / per; };
-  int tasks = 0;
-  for (size_t i = 0; i < count; i++) tasks += tasks_of(outs[i]);
-  thread_local std::vector<int16_t> xq;
-  thread_local std::vector<float> xscale, xsum;
+  thread_local PreparedActs prepared;
+  std::vector<RowsJob> jobs(count);
   for (int m0 = 0; m0 < M; m0 += kMaxRows) {
     const int block = std::min(kMaxRows, M - m0);
-    const float* xb = x + static_cast<long>(m0) * w.K;
-    Acts a{block, w.K, groups, xb, nullptr, nullptr, nullptr};
-    if (groups) {
-      xq.resize(static_cast<size_t>(block) * w.K);
-      xscale.resize(static_cast<size_t>(block) * groups);
-      xsum.resize(static_cast<size_t>(block) * groups);
-      k.prepare(w, xb, block, xq.data(), xscale.data(), xsum.data());
-      a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
-    }
-    auto task = [&](int t) {
-      size_t i = 0;  // the output task t falls in (a few outputs: a scan)
-      for (int n; t >= (n = tasks_of(outs[i])); i++) t -= n;
-      const Weights& wi = *outs[i].w;
-      k.rows(wi, a, outs[i].y + static_cast<long>(m0) * wi.N, wi.N, t * per, std::min(wi.N, (t + 1) * per));
-    };
-    if (parallel) {
-      pool.run(tasks, task);
-    } else {  // one task per output, on this thread
-      for (int t = 0; t < tasks; t++) task(t);
-    }
+    const Acts a = prepared.prepare(w, x + static_cast<long>(m0) * w.K, block);
+    for (size_t i = 0; i < count; i++) jobs[i] = {outs[i].w, &a, outs[i].y + static_cast<long>(m0) * outs[i].w->N};
+    run_rows(jobs.data(), count);
   }
 }
 
@@ -152,6 +122,45 @@ void gemm_product(const Kernels& k, const Weights& w, const float* x, int M, flo
 }
 
 }  // namespace
+
+Acts PreparedActs::prepare(const Weights& w, const float* x, int M) {
+  const int groups = is_affine(w.format) ? w.K / w.group_size : 0;
+  Acts a{M, w.K, groups, x, nullptr, nullptr, nullptr};
+  if (groups) {
+    xq.resize(static_cast<size_t>(M) * w.K);
+    xscale.resize(static_cast<size_t>(M) * groups);
+    xsum.resize(static_cast<size_t>(M) * groups);
+    active_kernels().prepare(w, x, M, xq.data(), xscale.data(), xsum.data());
+    a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
+  }
+  return a;
+}
+
+void run_rows(const RowsJob* jobs, size_t count) {
+  const Kernels& k = active_kernels();
+  Pool& pool = Pool::instance();
+  long bytes = 0, rows = 0;
+  for (size_t i = 0; i < count; i++) {
+    bytes += static_cast<long>(jobs[i].w->N) * jobs[i].w->row_bytes;
+    rows += jobs[i].w->N;
+  }
+  const bool parallel = bytes >= kParallelMinBytes && pool.threads() > 1;
+  const int per = parallel ? task_rows(static_cast<int>(rows), pool.threads()) : static_cast<int>(rows);
+  auto tasks_of = [per](const RowsJob& j) { return (j.w->N + per - 1) / per; };
+  int tasks = 0;
+  for (size_t i = 0; i < count; i++) tasks += tasks_of(jobs[i]);
+  auto task = [&](int t) {
+    size_t i = 0;  // the job task t falls in (a few jobs: a scan)
+    for (int n; t >= (n = tasks_of(jobs[i])); i++) t -= n;
+    const Weights& wi = *jobs[i].w;
+    k.rows(wi, *jobs[i].a, jobs[i].y, wi.N, t * per, std::min(wi.N, (t + 1) * per));
+  };
+  if (parallel) {
+    pool.run(tasks, task);
+  } else {  // one task per job, on this thread
+    for (int t = 0; t < tasks; t++) task(t);
+  }
+}
 
 // x as a row-major float buffer: its own data when it already is, else a strided copy.
 const float* row_major(const mx::array& x, std::vector<float>& copy) {

@@ -56,6 +56,20 @@ struct Output {
   float* y;
 };
 void products(const std::vector<Output>& outs, const float* x, int M);
+// Activations prepared for the `rows` kernel of one layout, in buffers this object owns (reused).
+struct PreparedActs {
+  std::vector<int16_t> xq;
+  std::vector<float> xscale, xsum;
+  Acts prepare(const Weights& w, const float* x, int M);  // M <= kMaxRows
+};
+// One `rows` product: y (row stride w->N) = a's rows @ w.T.
+struct RowsJob {
+  const Weights* w;
+  const Acts* a;
+  float* y;
+};
+// Jobs whose output rows are cut into tasks of one pool job (on this thread when they are small).
+void run_rows(const RowsJob* jobs, size_t count);
 // x as a row-major float buffer: its own data when it already is, else a strided copy into `copy`.
 const float* row_major(const mx::array& x, std::vector<float>& copy);
 

@@ -1,0 +1,172 @@
+// The expert products (gather.h): group the (token, expert) blocks by expert, then run the dense
+// kernels on each expert's rows, so a decode step reads each chosen expert's bytes once.
+#include "gather.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/backend/cpu/encoder.h"
+
+namespace shoal {
+
+namespace {
+
+long scale_bytes(ScaleType t) { return t == ScaleType::F32 ? 4 : 2; }
+
+}  // namespace
+
+Weights Experts::at(int e) const {
+  Weights w = first;
+  w.data += e * data_stride;
+  w.scales = static_cast<const uint8_t*>(w.scales) + e * scale_stride;
+  if (w.biases) w.biases = static_cast<const uint8_t*>(w.biases) + e * scale_stride;
+  return w;
+}
+
+void gather_product(const Experts& experts, const float* x, const uint32_t* indices, int P, int R, float* y) {
+  const int K = experts.first.K, N = experts.first.N;
+  const long xblock = static_cast<long>(R) * K, yblock = static_cast<long>(R) * N;
+  // The blocks in expert order (stable: a token's rows keep their order within an expert).
+  std::vector<int> order(P);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return indices[a] < indices[b]; });
+  struct Group {
+    Weights w;
+    int begin, end;  // in `order`
+    const float* x;  // the group's rows: x itself for one block, else `gathered`
+    float* y;        // where they go: y itself for one block, else `results`
+  };
+  std::vector<Group> groups;
+  long gathered_rows = 0;
+  for (int i = 0; i < P;) {
+    const uint32_t e = indices[order[i]];
+    int j = i;
+    while (j < P && indices[order[j]] == e) j++;
+    if (e >= static_cast<uint32_t>(experts.E)) {  // no such expert: zeros
+      for (int b = i; b < j; b++) std::fill_n(y + order[b] * yblock, yblock, 0.0f);
+    } else {
+      groups.push_back({experts.at(static_cast<int>(e)), i, j, nullptr, nullptr});
+      if (j - i > 1) gathered_rows += static_cast<long>(j - i) * R;
+    }
+    i = j;
+  }
+  // Groups of several blocks read and write contiguous copies.
+  thread_local std::vector<float> gathered, results;
+  gathered.resize(gathered_rows * K);
+  results.resize(gathered_rows * N);
+  long at = 0;
+  for (Group& g : groups) {
+    if (g.end - g.begin == 1) {
+      g.x = x + order[g.begin] * xblock;
+      g.y = y + order[g.begin] * yblock;
+      continue;
+    }
+    g.x = gathered.data() + at * K;
+    g.y = results.data() + at * N;
+    for (int b = g.begin; b < g.end; b++)
+      std::memcpy(gathered.data() + (at + static_cast<long>(b - g.begin) * R) * K, x + order[b] * xblock,
+                  xblock * sizeof(float));
+    at += static_cast<long>(g.end - g.begin) * R;
+  }
+  // Small groups: one pool job for all of them; large ones: the dense product per expert.
+  std::vector<PreparedActs> prepared;
+  std::vector<Acts> acts;
+  prepared.reserve(groups.size());
+  acts.reserve(groups.size());
+  std::vector<RowsJob> jobs;
+  for (const Group& g : groups) {
+    const int rows = (g.end - g.begin) * R;
+    if (rows <= kMaxRows) {
+      prepared.emplace_back();
+      acts.push_back(prepared.back().prepare(g.w, g.x, rows));
+      jobs.push_back({&g.w, &acts.back(), g.y});
+    }
+  }
+  if (!jobs.empty()) run_rows(jobs.data(), jobs.size());
+  for (const Group& g : groups) {
+    const int rows = (g.end - g.begin) * R;
+    if (rows > kMaxRows) product(g.w, g.x, rows, g.y);
+  }
+  for (const Group& g : groups) {
+    if (g.end - g.begin == 1) continue;
+    for (int b = g.begin; b < g.end; b++)
+      std::memcpy(y + order[b] * yblock, g.y + static_cast<long>(b - g.begin) * yblock, yblock * sizeof(float));
+  }
+}
+
+mx::array gather_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                        const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
+                        int bits, mx::StreamOrDevice s) {
+  if (w.ndim() != 3 || scales.ndim() != 3 || (biases && biases->ndim() != 3))
+    throw std::invalid_argument("[shoal_gather_matmul] w, scales and biases must be 3-D [experts, N, ...]");
+  if (x.ndim() < 2) throw std::invalid_argument("[shoal_gather_matmul] x must be [..., rows, K]");
+  if (!mx::issubdtype(indices.dtype(), mx::integer))
+    throw std::invalid_argument("[shoal_gather_matmul] indices must be integers");
+  const int E = w.shape(0);
+  // One expert's layout, checked as the dense product checks it.
+  auto expert = [](const mx::array& a) { return mx::reshape(a, {a.shape(1), a.shape(2)}); };
+  const mx::array w0 = mx::slice(w, {0, 0, 0}, {1, w.shape(1), w.shape(2)});
+  const mx::array s0 = mx::slice(scales, {0, 0, 0}, {1, scales.shape(1), scales.shape(2)});
+  std::optional<mx::array> b0;
+  if (biases) b0 = expert(mx::slice(*biases, {0, 0, 0}, {1, biases->shape(1), biases->shape(2)}));
+  const WeightSpec spec = weight_spec(expert(w0), expert(s0), b0, group_size, bits);
+  if (scales.shape(0) != E || (biases && biases->shape(0) != E))
+    throw std::invalid_argument("[shoal_gather_matmul] w, scales and biases must have the same experts");
+  if (x.shape(-1) != spec.K)
+    throw std::invalid_argument("[shoal_gather_matmul] x has " + std::to_string(x.shape(-1)) + " features, w " +
+                                std::to_string(spec.K));
+  const int R = x.shape(-2);
+  mx::Shape batch = mx::broadcast_shapes(mx::Shape(x.shape().begin(), x.shape().end() - 2), indices.shape());
+  mx::Shape x_shape = batch;
+  x_shape.push_back(R);
+  x_shape.push_back(spec.K);
+  mx::Shape out_shape = batch;
+  out_shape.push_back(R);
+  out_shape.push_back(spec.N);
+  std::vector<mx::array> inputs{
+      mx::contiguous(mx::broadcast_to(mx::astype(x, mx::float32, s), x_shape, s), false, s),
+      mx::contiguous(mx::broadcast_to(mx::astype(indices, mx::uint32, s), batch, s), false, s), w, scales};
+  if (biases) inputs.push_back(*biases);
+  auto primitive = std::make_shared<GatherMatmul>(mx::to_stream(s), spec.format, spec.group_size);
+  return mx::array(out_shape, mx::float32, primitive, std::move(inputs));
+}
+
+void GatherMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array &x = inputs[0], &indices = inputs[1], &w = inputs[2], &scales = inputs[3];
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const int E = w.shape(0), N = w.shape(1), K = x.shape(-1), R = x.shape(-2);
+  const int P = static_cast<int>(indices.size());
+  const Weights first =
+      weights_of({format_, group_size_, N, K}, w, &scales, inputs.size() > 4 ? &inputs[4] : nullptr);
+  const Experts experts{first, first.row_bytes * N, static_cast<long>(N) * (K / group_size_) *
+                                                        scale_bytes(first.scale_type), E};
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  encoder.dispatch([experts, x = mx::array::unsafe_weak_copy(x), indices = mx::array::unsafe_weak_copy(indices),
+                    y = out.data<float>(), P, R]() {
+    thread_local std::vector<float> copy;
+    gather_product(experts, row_major(x, copy), indices.data<uint32_t>(), P, R, y);
+  });
+}
+
+void GatherMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[shoal_gather_matmul] has no GPU implementation: on a GPU MLX's own kernels are used");
+}
+
+bool GatherMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatherMatmul&>(other);
+  return format_ == o.format_ && group_size_ == o.group_size_;
+}
+
+std::vector<mx::Shape> GatherMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = inputs[2].shape(1);
+  return {shape};
+}
+
+}  // namespace shoal

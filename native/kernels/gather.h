@@ -1,0 +1,52 @@
+// `gather_matmul`: the CPU side of MLX's `gather_qmm` for affine 4/8-bit experts (transpose=True,
+// as mlx-lm's QuantizedSwitchLinear calls it): each batch element's rows of x times the weights of
+// the expert its index names, reading only the chosen experts' rows, on the pool.
+#pragma once
+
+#include <optional>
+
+#include "matmul.h"
+
+namespace shoal {
+
+class GatherMatmul : public mx::Primitive {
+ public:
+  GatherMatmul(mx::Stream stream, Format format, int group_size)
+      : mx::Primitive(stream), format_(format), group_size_(group_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "ShoalGatherMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  Format format_;
+  int group_size_;
+};
+
+// out[b] = x[b] @ dequantize(w[indices[b]]).T, as mx.gather_qmm(x, w, scales, biases,
+// rhs_indices=indices, transpose=True) computes it: x float [..., R, K] and indices (integers)
+// [...] broadcast over their batch dimensions; w uint32 [E, N, K * bits / 32], scales and biases
+// [E, N, K / group_size] (biases absent: symmetric). Returns float32 [batch..., R, N]. An index
+// outside [0, E) gives zeros.
+mx::array gather_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                        const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
+                        int bits, mx::StreamOrDevice s = {});
+
+// E experts' weights stored one after another (as MLX stacks them): expert e's rows start
+// e * data_stride bytes after expert 0's, its scales and biases e * scale_stride bytes after.
+struct Experts {
+  Weights first;
+  long data_stride, scale_stride;
+  int E;
+  Weights at(int e) const;
+};
+
+// The product itself on evaluated buffers: x is P blocks of R rows (row-major, K wide), y P blocks
+// of R x N. Blocks of one expert are grouped: up to kMaxRows rows of an expert share one `rows`
+// product, and all those experts' rows run as one pool job; more rows (prefill) go to `product`
+// (the dense gemm / tiled paths) one expert at a time.
+void gather_product(const Experts& experts, const float* x, const uint32_t* indices, int P, int R, float* y);
+
+}  // namespace shoal

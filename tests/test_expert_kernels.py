@@ -1,0 +1,145 @@
+"""Shoal's expert products (gather_matmul, the CPU side of mx.gather_qmm) against mx.dequantize +
+float32 matmuls, one chosen expert at a time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import ModuleType
+from typing import cast
+
+import mlx.core as mx
+import pytest
+
+from node.native import load_kernels
+
+KERNELS = load_kernels().module
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason=f"native kernels unavailable: {load_kernels().reason}"
+)
+EXPERTS = 6
+TOKENS = (1, 3, 8, 64)
+"""Decode (1), small batches (3, 8), prefill (64: several blocks of one expert go to the dense gemm)."""
+
+
+def _kernels() -> ModuleType:
+    assert KERNELS is not None
+    return KERNELS
+
+
+def _experts(n: int, k: int, bits: int, group: int, symmetric: bool = False) -> tuple[mx.array, ...]:
+    w = mx.random.normal((EXPERTS, n, k)) * 0.05
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    if symmetric:  # GGUF-style symmetric experts: b = -2^(bits-1) s, stored without biases
+        biases = -(2 ** (bits - 1)) * scales
+    return wq, scales.astype(mx.float16), biases.astype(mx.float16)
+
+
+def _chosen(tokens: int, top: int) -> mx.array:
+    """Top-k choices with repeats across tokens and gaps: experts 1 and 4 are never chosen."""
+    used = mx.array([0, 2, 3, 5], dtype=mx.int32)
+    picks = mx.random.randint(0, 4, (tokens, top))
+    return used[picks]
+
+
+def _reference(
+    x: mx.array, wq: mx.array, scales: mx.array, biases: mx.array, idx: mx.array, group: int, bits: int
+) -> tuple[mx.array, mx.array]:
+    """x [..., R, K] broadcast with idx [...]: each block times its expert's dequantized weights,
+    and the product's own scale, |x| @ |w|.T (outputs can cancel to ~0)."""
+    dense = mx.dequantize(
+        wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+    )
+    chosen = mx.swapaxes(dense[idx], -1, -2)
+    x32 = x.astype(mx.float32)
+    return x32 @ chosen, mx.abs(x32) @ mx.abs(chosen)
+
+
+def _error(got: mx.array, want: tuple[mx.array, mx.array]) -> float:
+    """Largest error relative to the product's own scale, as tests/test_kernels.py measures it."""
+    product, scale = want
+    assert got.shape == product.shape, (got.shape, product.shape)
+    return float(cast(float, (mx.abs(got - product).max() / mx.maximum(scale.max(), 1e-6)).item()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_expert_products_match_dequantize_then_matmul(bits: int, group: int) -> None:
+    mx.random.seed(bits + group)
+    n, k, top = 40, 7 * group, 2  # K = 7 groups: whole steps, then a half step and a lone chunk
+    wq, scales, biases = _experts(n, k, bits, group)
+    for tokens in TOKENS:
+        idx = _chosen(tokens, top)
+        # gate/up as SwitchGLU calls them: one row per token, broadcast over its chosen experts
+        x = mx.random.normal((tokens, 1, 1, k))
+        got = _kernels().gather_matmul(x, wq, scales, biases, idx, group_size=group, bits=bits)
+        assert got.shape == (tokens, top, 1, n) and got.dtype == mx.float32
+        assert _error(got, _reference(x, wq, scales, biases, idx, group, bits)) < 1e-4, (tokens, "broadcast")
+        # down: a row per (token, expert)
+        x = mx.random.normal((tokens, top, 1, k))
+        got = _kernels().gather_matmul(x, wq, scales, biases, idx, group_size=group, bits=bits)
+        assert _error(got, _reference(x, wq, scales, biases, idx, group, bits)) < 1e-4, (tokens, "rows")
+        # sorted, flattened, as SwitchGLU passes many tokens (sorted_indices=True)
+        flat = mx.sort(idx.flatten())
+        x = mx.random.normal((flat.size, 1, k))
+        got = _kernels().gather_matmul(x, wq, scales, biases, flat, group_size=group, bits=bits)
+        assert _error(got, _reference(x, wq, scales, biases, flat, group, bits)) < 1e-4, (tokens, "sorted")
+
+
+def test_matches_mlx_gather_qmm_symmetric_and_half_x() -> None:
+    mx.random.seed(3)
+    wq, scales, biases = _experts(64, 288, 4, 32)  # K = 9 groups of 32
+    idx = _chosen(5, 4)
+    x = mx.random.normal((5, 1, 1, 288)).astype(mx.bfloat16)
+    got = _kernels().gather_matmul(x, wq, scales, biases, idx, group_size=32, bits=4)
+    want = mx.gather_qmm(
+        x.astype(mx.float32), wq, scales, biases, rhs_indices=idx, transpose=True, group_size=32, bits=4
+    )
+    assert _error(got, (want, _reference(x, wq, scales, biases, idx, 32, 4)[1])) < 1e-4
+    wq, scales, biases = _experts(16, 256, 8, 64, symmetric=True)
+    x = mx.random.normal((3, 2, 1, 256))
+    got = _kernels().gather_matmul(x, wq, scales, None, idx[:3, :2], group_size=64, bits=8)
+    assert _error(got, _reference(x, wq, scales, biases, idx[:3, :2], 64, 8)) < 1e-4
+
+
+def test_an_index_outside_the_experts_gives_zeros_and_bad_arguments_are_clear() -> None:
+    wq, scales, biases = _experts(16, 64, 4, 32)
+    x = mx.random.normal((2, 1, 64))
+    got = _kernels().gather_matmul(x, wq, scales, biases, mx.array([1, EXPERTS]), group_size=32, bits=4)
+    assert mx.all(got[1] == 0).item() and mx.any(got[0] != 0).item()
+    k = _kernels()
+    with pytest.raises(ValueError, match="x has 32 features, w 64"):
+        k.gather_matmul(mx.zeros((1, 1, 32)), wq, scales, biases, mx.array([0]), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        k.gather_matmul(
+            mx.zeros((1, 1, 64)), wq[0], scales[0], biases[0], mx.array([0]), group_size=32, bits=4
+        )
+    with pytest.raises(ValueError, match="indices must be integers"):
+        k.gather_matmul(mx.zeros((1, 1, 64)), wq, scales, biases, mx.array([0.0]), group_size=32, bits=4)
+
+
+NARROWER = {
+    "avx512vbmi": ("avx512", "avx2", "portable"),
+    "avx512": ("avx2", "portable"),
+    "avx2": ("portable",),
+}
+"""The instruction sets below each one: the CPU has them too, and SHOAL_KERNEL_ISA selects them."""
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
+    """As tests/test_kernels.py does for the dense products: a child runs this file's product tests
+    with SHOAL_KERNEL_ISA capping the kernels."""
+    active = _kernels().kernel_name()
+    if isa not in NARROWER.get(active, ()):
+        pytest.skip(f"the CPU's widest kernels are {active}: this process tested them")
+    env = {**os.environ, "SHOAL_KERNEL_ISA": isa}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
