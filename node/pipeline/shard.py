@@ -278,6 +278,25 @@ def stored_tensor_names(folder: Path) -> set[str]:
     return names
 
 
+def _check_stored(
+    model_path: Path | str,
+    spec: ShardSpec,
+    holder: nn.Module,
+    *,
+    keep: tuple[str, ...] = (),
+    prefix: str = "",
+) -> None:
+    """Raise `ShardError` unless the folder stores every parameter of `holder` this stage runs:
+    those under the `keep` prefixes (all when none are given), named without `prefix`."""
+    params = cast(list[tuple[str, mx.array]], tree_flatten(holder.parameters()))
+    needed = {name.removeprefix(prefix) for name, _ in params if not keep or name.startswith(keep)}
+    if missing := sorted(needed - stored_tensor_names(Path(model_path))):
+        raise ShardError(
+            f"{model_path} lacks {len(missing)} tensor(s) that layers [{spec.start}, {spec.end}) need, "
+            f"e.g. {missing[0]!r}: a shard of this stage is missing"
+        )
+
+
 def load_shard(
     model_path: Path | str, *, start: int, end: int | None = None, prepare: Prepare | None = None
 ) -> Shard:
@@ -292,44 +311,42 @@ def load_shard(
     model, config = load_model(Path(model_path), lazy=True, strict=False)
     family = type(model).__module__
     inner = getattr(model, "model", None)
+    shard: Shard
     if family not in SUPPORTED_MODULES or inner is None:
-        raise ShardError(
-            f"model type {config.get('model_type')!r} ({family}) cannot be split into stages yet; "
-            f"supported: {', '.join(sorted(m.rsplit('.', 1)[1] for m in SUPPORTED_MODULES))}"
+        from node.pipeline.generic import generic_shard
+
+        shard = generic_shard(model, config, start=start, end=end)
+        _check_stored(model_path, shard.spec, shard, prefix="net.")
+        del model, inner
+    else:
+        all_layers = list(inner.layers)
+        spec = ShardSpec(start, len(all_layers) if end is None else end, len(all_layers))
+        tied = bool(getattr(model.args, "tie_word_embeddings", "lm_head" not in model))
+        keep_embedding = spec.is_first or (spec.is_last and tied)
+        kept = _kept_prefixes(spec, keep_embedding=keep_embedding, head=spec.is_last and not tied)
+        _check_stored(model_path, spec, model, keep=kept)
+        shard = Shard(
+            spec,
+            layers=all_layers[spec.start : spec.end],
+            embed_tokens=inner.embed_tokens if keep_embedding else None,
+            norm=inner.norm if spec.is_last else None,
+            lm_head=model["lm_head"] if spec.is_last and not tied else None,
+            sliding_window=getattr(inner, "sliding_window", None),
+            config=config,
         )
-    all_layers = list(inner.layers)
-    spec = ShardSpec(start, len(all_layers) if end is None else end, len(all_layers))
-    tied = bool(getattr(model.args, "tie_word_embeddings", "lm_head" not in model))
-    keep_embedding = spec.is_first or (spec.is_last and tied)
-    kept = _kept_prefixes(spec, keep_embedding=keep_embedding, head=spec.is_last and not tied)
-    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    needed = {name for name, _ in params if name.startswith(kept)}
-    if missing := sorted(needed - stored_tensor_names(Path(model_path))):
-        raise ShardError(
-            f"{model_path} lacks {len(missing)} tensor(s) that layers [{spec.start}, {spec.end}) need, "
-            f"e.g. {missing[0]!r}: a shard of this stage is missing"
-        )
-    shard = Shard(
-        spec,
-        layers=all_layers[spec.start : spec.end],
-        embed_tokens=inner.embed_tokens if keep_embedding else None,
-        norm=inner.norm if spec.is_last else None,
-        lm_head=model["lm_head"] if spec.is_last and not tied else None,
-        sliding_window=getattr(inner, "sliding_window", None),
-        config=config,
-    )
-    # Drop every reference to the full model before anything is evaluated: the layers we did not
-    # keep are lazy arrays that were never read, and now never will be.
-    del model, inner, all_layers
+        # Drop every reference to the full model before anything is evaluated: the layers we did
+        # not keep are lazy arrays that were never read, and now never will be.
+        del model, inner, all_layers
     if prepare is not None:
         prepare(shard)
     mx.eval(shard.parameters())
+    spec = shard.spec
     log.info(
         "stage layers [%d, %d) of %d%s%s: %.1f MB of weights",
         spec.start,
         spec.end,
         spec.num_layers,
-        " + embedding" if keep_embedding else "",
+        " + embedding" if spec.is_first else "",
         " + norm/head" if spec.is_last else "",
         shard.parameter_bytes() / 1e6,
     )

@@ -1,0 +1,63 @@
+"""The mlx-lm internals a generic pipeline stage relies on (read in mlx-lm 0.32.2's source).
+
+`node.pipeline.generic` calls only these helpers; when mlx-lm changes one of these facts, the fix
+is here.
+
+- `decoder_owner`: a model's decoder layers are the `layers` list of one module (`Model.model` in
+  llama, gemma3_text, phi3, qwen3_moe, gpt_oss), which also holds the embedding and final norm;
+  the outer `Model` holds the head (`lm_head`), absent when tied (gemma3_text's `sanitize` pops
+  it). `Model.layers` is a property returning that list, or a copy of it for models with
+  `pipeline.PipelineMixin` (qwen3_moe: `pipeline_layers`, all layers until `pipeline()` is called,
+  which Shoal never calls).
+- `full_cache`: `cache.make_prompt_cache` builds the per-layer caches as generation does
+  (`Model.make_cache` where defined: gemma3_text and gpt_oss alternate `KVCache` and
+  `RotatingKVCache(max_size=sliding_window)`).
+- `cache_kind`: masks are built by `base.create_attention_mask(h, cache[i])`, which calls
+  `cache.make_mask(N, ...)`; that depends only on the cache's type, `offset`, `max_size` and `_idx`
+  (`RotatingKVCache.make_mask`). Caches of one kind in one stage are always in the same state.
+- `is_embedding`: token embeddings are `nn.Embedding` or `nn.QuantizedEmbedding` children of the
+  layers' owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import mlx.nn as nn
+
+
+def decoder_owner(model: nn.Module) -> tuple[nn.Module | None, nn.Module]:
+    """The module whose `layers` list is the model's decoder layers (None if there is none), and
+    the outer model."""
+    try:
+        layers = model.layers
+    except AttributeError:
+        return None, model
+    if not isinstance(layers, list) or not layers:
+        return None, model
+    for _, module in model.named_modules():
+        held = module.get("layers") if isinstance(module, nn.Module) else None
+        if (
+            isinstance(held, list)
+            and len(held) == len(layers)
+            and all(a is b for a, b in zip(held, layers, strict=True))
+        ):
+            return module, model
+    return None, model
+
+
+def full_cache(model: nn.Module) -> list[Any]:
+    """Fresh caches for every layer of `model`, as mlx-lm's generation makes them."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return list(make_prompt_cache(model))
+
+
+def cache_kind(cache: Any) -> Hashable:
+    """What decides the masks a cache makes, besides its position."""
+    return (type(cache), getattr(cache, "max_size", None), getattr(cache, "keep", None))
+
+
+def is_embedding(module: object) -> bool:
+    return isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))

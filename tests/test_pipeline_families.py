@@ -1,0 +1,38 @@
+"""Families without a hand-written stage forward (`node.pipeline.generic`) split like one process.
+
+Each family's tiny random model, split in 2 and 3 stages over real stage processes, gives the
+greedy tokens of `mlx_lm.stream_generate` on the whole model, prefilled in chunks (so sliding
+windows and their masks cross chunk and stage boundaries) and in one piece.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from node.pipeline.generic import GenericShard
+from tests.family_models import Family, make_family_model
+from tests.test_pipeline import _prompt, ring, run, single_process
+
+
+@pytest.fixture(scope="module", params=get_args(Family))
+def family_dir(
+    request: pytest.FixtureRequest, builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    family: Family = request.param
+    return make_family_model(
+        tmp_path_factory.mktemp(family) / family, family, tokenizer_from=builtin_model_dir
+    )
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_greedy_tokens_match_one_process(family_dir: Path, stages: int) -> None:
+    prompt = _prompt(family_dir)
+    chunked = single_process(family_dir, prompt, max_tokens=8, prefill_step_size=8)
+    whole, _ = single_process(family_dir, prompt, max_tokens=4)
+    with ring(family_dir, stages) as (driver, _):
+        assert isinstance(driver.shard, GenericShard)
+        assert run(driver, family_dir, prompt, max_tokens=8, prefill_step_size=8) == chunked
+        assert run(driver, family_dir, prompt, max_tokens=4)[0] == whole
