@@ -65,6 +65,8 @@ class TinyModel:
     tied: bool = False
     head_dim: int = HIDDEN // HEADS
     rope_freqs: bool = False
+    chat_template: str | None = None
+    """`tokenizer.chat_template`, for a model a node serves through the chat API."""
 
     def shapes(self, vocab: int) -> dict[str, tuple[int, ...]]:
         q_rows, kv_rows = HEADS * self.head_dim, KV_HEADS * self.head_dim
@@ -164,6 +166,8 @@ def write_tiny_gguf(
     writer.add_array("tokenizer.ggml.merges", meta["tokenizer.ggml.merges"])
     writer.add_uint32("tokenizer.ggml.bos_token_id", meta["tokenizer.ggml.bos_token_id"])
     writer.add_uint32("tokenizer.ggml.eos_token_id", meta["tokenizer.ggml.eos_token_id"])
+    if spec.chat_template is not None:
+        writer.add_string("tokenizer.chat_template", spec.chat_template)
 
     reference: dict[str, np.ndarray[Any, Any]] = {}
     kinds: dict[str, Q] = {}
