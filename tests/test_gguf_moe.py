@@ -55,7 +55,8 @@ def test_a_node_serves_a_qwen3moe_gguf_as_the_float32_reference_answers(tmp_path
     gguf = tmp_path / "tiny-moe.gguf"
     reference, _kinds = write_tiny_gguf(MOE, gguf, seed=3)
     imported = import_gguf(gguf, tmp_path / "imported")
-    plain, tokenizer = load(str(reference_folder(imported, reference, tmp_path / "reference")))
+    loaded = load(str(reference_folder(imported, reference, tmp_path / "reference")))
+    plain, tokenizer = loaded[0], loaded[1]
     messages = [{"role": "user", "content": "Say hello."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     want = generate(plain, tokenizer, prompt=prompt, max_tokens=MAX_TOKENS)
