@@ -5,9 +5,10 @@ On the CPU, MLX's own bfloat16, float16 and quantized kernels are single-threade
 
 1. With the native kernels (`node.native`, built at install), affine 4/8-bit layers and 16-bit
    Linear/Embedding layers stay as stored and multiply on the kernels (`node.cpu.kernel_layers`):
-   memory is the stored size and decode reads the stored bytes. What the kernels cannot hold
-   (other bit widths, mixture-of-experts layers) is dequantized to float32 when memory allows,
-   and small float parameters (norms, biases) become float32, the activations' dtype.
+   memory is the stored size and decode reads the stored bytes; so do affine 4/8-bit experts
+   (`node.cpu.expert_layers`). What the kernels cannot hold (other bit widths, MXFP4 experts) is
+   dequantized to float32 when memory allows, and small float parameters (norms, biases) become
+   float32, the activations' dtype.
 2. Without them (not built, `--no-fast-path`, SHOAL_KERNELS=0), as before: bf16/fp16 parameters
    become float32 and quantized layers their float32 dense equivalents, whose matmuls go to
    OpenBLAS through the BLAS shim (`node.cpu.fastpath`), when memory allows.
@@ -30,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from node.cpu.expert_layers import KernelSwitchLinear, switch_layer
 from node.cpu.fused import install_fused_ops
 from node.cpu.fused_layers import fuse_decoder_layers
 from node.cpu.fused_stack import stack_decoder
@@ -52,7 +54,13 @@ the model (Qwen3-0.6B's float32 KV cache for 4096 tokens is ~0.9 GB, 40% of its 
 HEADROOM_MIN_BYTES = 512 * 1024**2
 """Kept free at least: the Python runtime, tokenizer and MLX's buffers."""
 
-KERNEL_LAYERS = (KernelQuantizedLinear, KernelHalfLinear, KernelQuantizedEmbedding, KernelHalfEmbedding)
+KERNEL_LAYERS = (
+    KernelQuantizedLinear,
+    KernelHalfLinear,
+    KernelQuantizedEmbedding,
+    KernelHalfEmbedding,
+    KernelSwitchLinear,
+)
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,10 @@ def _keep_as_stored(
     assert kernels.module is not None
     swapped = []
     for name, module in model.named_modules():
-        if (layer := kernel_layer(kernels.module, module)) is not None:
+        layer = kernel_layer(kernels.module, module)
+        if layer is None:  # (not `or`: a Module is a dict, an empty one is falsy)
+            layer = switch_layer(kernels.module, module)
+        if layer is not None:
             swapped.append((name, layer))
     if swapped:
         model.update_modules(tree_unflatten(swapped))

@@ -1,0 +1,99 @@
+"""The weight policy keeps affine 4-bit experts as stored on the expert kernels (gather_matmul):
+a random qwen3_moe folder gives the greedy text its float32-dequantized route gives."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from node.cpu.dtype import apply_dtype_policy
+from node.cpu.expert_layers import KernelSwitchLinear
+from node.native import KernelLoad, load_kernels
+from node.runner.engine import load_model
+from tests.model_factory import (
+    _random_parameters,
+    _special_ids,
+    quantized_copy,
+    tokenizer_vocab_size,
+    write_model_folder,
+)
+
+pytestmark = pytest.mark.skipif(
+    load_kernels().module is None, reason=f"native kernels unavailable: {load_kernels().reason}"
+)
+
+
+def _params(model: Any) -> list[tuple[str, mx.array]]:
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
+def _greedy_tokens(model: Any, tokenizer: Any, prompt: list[int], n: int = 16) -> list[int]:
+    from mlx_lm import stream_generate
+
+    return [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)]
+
+
+def make_qwen3_moe(out_dir: Path, *, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A random bfloat16 qwen3_moe folder: 2 layers, 8 experts of width 64, top 2 (wide enough for
+    groups of 64)."""
+    config: dict[str, Any] = {
+        "model_type": "qwen3_moe",
+        "vocab_size": tokenizer_vocab_size(tokenizer_from),
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 64,
+        "rope_theta": 1_000_000.0,
+        "norm_topk_prob": True,
+        **_special_ids(tokenizer_from),
+    }
+    module = importlib.import_module("mlx_lm.models.qwen3_moe")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = _random_parameters(dict(_params(model)), seed, mx.bfloat16)
+    model.update(tree_unflatten(list(weights.items())))
+    return write_model_folder(out_dir, weights, config, tokenizer_from=tokenizer_from)
+
+
+def test_quantized_experts_stay_as_stored_and_give_the_float32_text(
+    builtin_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    from mlx_lm.utils import load
+
+    source = make_qwen3_moe(tmp_path / "f32", tokenizer_from=builtin_model_dir)
+    quantized = quantized_copy(source, tmp_path / "q4", bits=4, group_size=64)
+    weights = mx.load(str(quantized / "model.safetensors"))
+    assert isinstance(weights, dict)
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        loaded = load_model(quantized, vocab_dir=None)
+    assert "kept as stored" in caplog.messages[-1] and "dequantized" not in caplog.messages[-1]
+    modules = dict(loaded.model.named_modules())
+    experts = [m for m in modules.values() if isinstance(m, KernelSwitchLinear)]
+    assert len(experts) == 2 * 3 and all(m.weight.dtype == mx.uint32 for m in experts)
+    assert all(m.scales.dtype == mx.bfloat16 for m in experts)  # not upcast as small parameters are
+    stored = sum(v.nbytes for v in weights.values())
+    held = sum(v.nbytes for _, v in _params(loaded.model))
+    assert held < 1.1 * stored, (held, stored)
+
+    # Without the kernels: every quantized layer, experts included, dequantized to float32.
+    reference = load(str(quantized), lazy=True)
+    decision = apply_dtype_policy(reference[0], kernels=KernelLoad(None, "kernels left out by the test"))
+    assert decision.converted
+    for prompt in (list(range(300, 340)), [1000]):  # prefill of 40 tokens (grouped by expert), one token
+        want = _greedy_tokens(reference[0], reference[1], prompt)
+        assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
