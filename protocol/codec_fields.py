@@ -123,13 +123,17 @@ def shape_to_wire(shape: ModelShape | None) -> Any:
         s.tied_embeddings,
         s.kv_bytes_per_token,
         s.context_length,
+        # Only when set, so that every splittable shape keeps the 7 fields older nodes read.
+        *([s.unsplittable] if s.unsplittable else []),
     ]
 
 
 def shape_from_wire(obj: object) -> ModelShape | None:
     if obj is None:
         return None
-    f = wire_list(obj, "shape", 7)
+    f = wire_list(obj, "shape")
+    if len(f) not in (7, 8):
+        raise WireDecodeError(f"shape: wrong length {len(f)}")
     layers = tuple(wire_int(b, "layer bytes") for b in wire_list(f[1], "layer bytes", limit=MAX_LAYERS))
     try:
         return ModelShape(
@@ -140,6 +144,7 @@ def shape_from_wire(obj: object) -> ModelShape | None:
             wire_bool(f[4], "tied embeddings"),
             wire_int(f[5], "kv bytes per token"),
             wire_int(f[6], "context length"),
+            wire_str(f[7], "unsplittable") if len(f) == 8 else "",
         )
     except ValueError as exc:  # WireDecodeError passes through unchanged
         raise exc if isinstance(exc, WireDecodeError) else WireDecodeError(f"invalid shape: {exc}") from exc

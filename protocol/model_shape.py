@@ -29,6 +29,9 @@ class ModelShape:
     """KV cache of one layer for one token (2 x kv heads x head dim x dtype bytes)."""
     context_length: int
     """Tokens of KV cache reserved per layer."""
+    unsplittable: str = ""
+    """Why the model cannot be split into pipeline stages (placement then uses one node); empty
+    when it can."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_bytes, tuple) or not self.layer_bytes:

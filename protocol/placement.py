@@ -93,6 +93,8 @@ def place(
     if nodes_wanted is not None:
         _check_wanted(shape, nodes_wanted, len(ranked))
         counts: Sequence[int] = (nodes_wanted,)
+    elif shape.unsplittable:
+        counts = (1,)
     else:
         counts = range(1, min(len(ranked), shape.num_layers, MAX_STAGES) + 1)
     prefix = prefix_sums(shape)
@@ -182,6 +184,11 @@ def _check_wanted(shape: ModelShape, wanted: int, live: int) -> None:
         )
     if wanted > MAX_STAGES:
         raise PlacementError(f"asked for {wanted} nodes: an instance has at most {MAX_STAGES} stages")
+    if wanted > 1 and shape.unsplittable:
+        raise PlacementError(
+            f"asked for {wanted} nodes but model {shape.model} cannot be split into stages: "
+            f"{shape.unsplittable}"
+        )
 
 
 def _pipeline_order(chosen: list[_Node]) -> list[_Node]:
@@ -286,7 +293,9 @@ def _no_fit_message(shape: ModelShape, ranked: list[_Node], headroom: float, nod
     message = f"{need}; available{kept}: {listed}"
     if nodes_wanted is not None:
         message += f"; asked for exactly {nodes_wanted} nodes (the largest)"
-    pool = ranked if nodes_wanted is None else ranked[:nodes_wanted]
+    elif shape.unsplittable:
+        message += f"; it must fit one node: it cannot be split into stages ({shape.unsplittable})"
+    pool = ranked[:1] if shape.unsplittable else ranked if nodes_wanted is None else ranked[:nodes_wanted]
     if sum(n.capacity for n in pool) >= shape.total_bytes:
         largest = max(shape.layer_bytes) + shape.kv_bytes_per_layer
         message += (

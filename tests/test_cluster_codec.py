@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -351,3 +352,16 @@ def test_mutated_valid_messages_only_raise_wire_decode_error(
         else:
             encoded[position:position] = data.draw(st.binary(min_size=1, max_size=9))
     decode_or_reject(bytes(encoded))
+
+
+def test_a_shape_says_why_it_cannot_be_split_only_when_it_cannot() -> None:
+    """Splittable shapes keep the 7 fields older nodes decode; the reason is an 8th when set."""
+    from protocol.codec_fields import shape_from_wire, shape_to_wire
+
+    plain = ModelShape.uniform(ModelId("m"), num_layers=2, bytes_per_layer=1, embedding_bytes=1, head_bytes=1)
+    assert len(shape_to_wire(plain)) == 7 and shape_from_wire(shape_to_wire(plain)) == plain
+    whole = dataclasses.replace(plain, unsplittable="per-layer inputs")
+    assert shape_from_wire(shape_to_wire(whole)) == whole
+    for bad in ([*shape_to_wire(whole), "x"], [*shape_to_wire(plain)[:7], 3]):
+        with pytest.raises(WireDecodeError):
+            shape_from_wire(bad)

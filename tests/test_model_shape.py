@@ -10,9 +10,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from node.models.shape import ModelShapeError, model_shape, read_safetensors_header
+from node.models.shape import UNSPLITTABLE, ModelShapeError, model_shape, read_safetensors_header
 from protocol.ids import NodeId
 from protocol.placement import place
+from tests.family_models import Family, make_family_model
 from tests.model_factory import make_random_model
 
 
@@ -219,3 +220,30 @@ def test_kernels_count_quantized_and_16_bit_weights_as_stored(bf16_model: Path, 
     assert kept.kv_bytes_per_token == dense.kv_bytes_per_token  # activations are float32 either way
     bf16_kept = model_shape("b", bf16_model, runtime_dtype_bytes=4, kernels=True)
     assert bf16_kept.weight_bytes < 0.55 * model_shape("b", bf16_model, runtime_dtype_bytes=4).weight_bytes
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_experts_and_sinks_count_in_their_layers(
+    family: Family, builtin_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every stored byte is counted, each expert tensor (`mlp.experts`, `mlp.switch_mlp`) and
+    attention sink in its own layer, so placement sizes MoE stages by what they hold."""
+    folder = make_family_model(tmp_path / family, family, tokenizer_from=builtin_model_dir, num_layers=2)
+    shape = model_shape("m", folder)
+    assert shape.weight_bytes == tensor_bytes(folder)
+    assert not shape.unsplittable
+    weights = mx.load(str(folder / "model.safetensors"))
+    assert isinstance(weights, dict)
+    layer0 = sum(v.nbytes for k, v in weights.items() if k.startswith("model.layers.0."))
+    experts = sum(
+        v.nbytes
+        for k, v in weights.items()
+        if k.startswith(("model.layers.0.mlp.experts.", "model.layers.0.mlp.switch_mlp."))
+    )
+    assert shape.layer_bytes[0] == layer0 and experts > layer0 / 2
+
+
+def test_an_unsplittable_family_says_why(tmp_path: Path) -> None:
+    shape = model_shape("m", fake_folder(tmp_path, GOOD, model_type="gemma3n"))
+    assert shape.unsplittable == UNSPLITTABLE["gemma3n"] != ""
+    assert model_shape("m", fake_folder(tmp_path, GOOD, model_type="gpt_oss")).unsplittable == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -375,3 +376,17 @@ def test_holdings_never_cost_a_node_more(
     assert isinstance(preferring, Placement) == isinstance(plain, Placement)
     if isinstance(plain, Placement) and isinstance(preferring, Placement):
         assert len(preferring.stages) == len(plain.stages)
+
+
+def test_an_unsplittable_model_goes_on_one_node_or_is_refused_with_why() -> None:
+    shape = dataclasses.replace(uniform(4), unsplittable="its layers take per-layer inputs")
+    alone = place(shape, [(A, 500), (B, 300)])
+    assert [(s.node, s.start_layer, s.end_layer) for s in alone.stages] == [(A, 0, 4)]
+    with pytest.raises(PlacementError, match="cannot be split into stages: its layers take per-layer inputs"):
+        place(shape, [(A, 500), (B, 300)], nodes_wanted=2)
+    # Two nodes would hold it split; one cannot: refused, saying why it was not split.
+    with pytest.raises(
+        PlacementError, match=r"must fit one node: it cannot be split into stages \(its layers"
+    ):
+        place(shape, [(A, 300), (B, 300)])
+    assert len(place(uniform(4), [(A, 300), (B, 300)]).stages) == 2

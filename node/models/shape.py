@@ -19,6 +19,9 @@ that: a float tensor at 4 bytes per element, an mlx-quantized weight (a uint32 `
 `packed elements x 32 / bits` at 4 bytes, its scales and biases then gone. `bits` comes from the
 config's `quantization` (a per-module entry first, then the default).
 
+A family whose layers need more than the hidden state at a cut (`UNSPLITTABLE`) gets its reason
+in `ModelShape.unsplittable`: placement then puts it on one node, and refuses more.
+
 The KV cache per token per layer is 2 (keys and values) x kv heads x head dim x the activations'
 dtype bytes (`runtime_dtype_bytes`, else the config's `torch_dtype`, else the weights' dominant float
 dtype). Every layer is assumed to keep a full cache: an overestimate for sliding-window layers.
@@ -64,6 +67,11 @@ HALF_DTYPES = frozenset({"F16", "BF16"})
 KERNEL_BITS = frozenset({4, 8})
 """What the CPU kernels keep as stored (node.cpu.kernel_layers): 16-bit matrices, affine 4/8-bit layers."""
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+UNSPLITTABLE = {
+    "gemma3n": "its layers take per-layer inputs computed from the token ids",
+}
+"""mlx-lm model types a pipeline stage cannot run (`node.pipeline.generic`), with why."""
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EMBEDDING = ("model.embed_tokens.",)
@@ -129,6 +137,7 @@ def model_shape(
         tied_embeddings=tied if isinstance(tied, bool) else not has_lm_head,
         kv_bytes_per_token=_kv_bytes_per_token(config, tensors, runtime_dtype_bytes),
         context_length=context_length,
+        unsplittable=UNSPLITTABLE.get(str(config.get("model_type")), ""),
     )
 
 

@@ -26,13 +26,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from node.models.shape import UNSPLITTABLE
 from node.pipeline.mlx_lm_quirks import cache_kind, decoder_owner, full_cache, is_embedding
 from node.pipeline.shard import Shard, ShardError, ShardSpec
-
-UNSPLITTABLE = {
-    "gemma3n": "its layers take per-layer inputs computed from the token ids",
-}
-"""mlx-lm families whose layers need more than the hidden state at a cut, with why."""
 
 HEAD_NAMES = ("lm_head", "output")
 """The output head's attribute on the outer model (dropped by stages before the last)."""
