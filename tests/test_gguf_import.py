@@ -32,7 +32,7 @@ from tests.test_gguf_arch import llama_cpp_rope_factors
 from tests.test_gguf_quants import random_k_blocks
 
 Q = GGMLQuantizationType
-EXACT = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
+EXACT = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.MXFP4}
 READ = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 """Types the import reads but not exactly: fp16-rounded scales, or requantized (Q6_K)."""
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -253,6 +253,9 @@ CASES = {
         types={"ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0},
         default=Q.F32,
     ),
+    "qwen3moe-mxfp4-experts": TinyModel(  # as llama-quantize's MXFP4_MOE writes them
+        "qwen3moe", types={"ffn_gate_exps": Q.MXFP4, "ffn_up_exps": Q.MXFP4, "ffn_down_exps": Q.MXFP4}
+    ),
     "qwen3moe-kquant-experts-quantized-router": TinyModel(
         "qwen3moe",
         types={
@@ -303,17 +306,18 @@ def test_imported_layers_and_logits_match_gguf_py(name: str, tmp_path: Path) -> 
             assert np.array_equal(np.array(module.weight.astype(mx.float32)), expected), path
             continue
         assert isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear), path
-        bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4}.get(qtype, 8)
-        assert (module.bits, module.group_size, module.mode) == (bits, 32, "affine"), path
+        bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.MXFP4: 4}.get(qtype, 8)
+        mode = "mxfp4" if qtype == Q.MXFP4 else "affine"
+        assert (module.bits, module.group_size, module.mode) == (bits, 32, mode), path
         assert quant is not None and quant.get(path, quant)["bits"] == bits  # default or an override
-        assert module.biases is not None
+        assert quant.get(path, quant)["mode"] == mode
+        biases, scales = module.get("biases"), module.scales
+        assert (biases is None) == (mode == "mxfp4"), path  # mxfp4: E8M0 scale bytes, no biases
+        if biases is not None:
+            biases, scales = biases.astype(mx.float32), scales.astype(mx.float32)
         got = np.array(
             mx.dequantize(
-                module.weight,
-                module.scales.astype(mx.float32),
-                module.biases.astype(mx.float32),
-                group_size=32,
-                bits=bits,
+                module.weight, scales, biases, group_size=32, bits=bits, mode=mode, dtype=mx.float32
             )
         )
         if qtype in EXACT:

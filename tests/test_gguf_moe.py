@@ -9,9 +9,11 @@ text of the float32 reference model built from gguf-py's dequantized tensors.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import pytest
 
 from node.models import import_gguf
 from node.models.preflight import check_header
@@ -29,6 +31,8 @@ MOE = TinyModel(
     chat_template=CHATML,
 )
 """Experts as stored (Q8_0, Q4_0; exact in MLX's affine form), the rest float32."""
+MXFP4_MOE = replace(MOE, types=dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), Q.MXFP4))
+"""Experts as llama-quantize's MXFP4_MOE writes them (MLX `mxfp4`, exact)."""
 MAX_TOKENS = 8
 READY_TIMEOUT = 180.0
 """Seconds for the node to import the file and load the model (the CPUs may be shared)."""
@@ -49,11 +53,14 @@ def test_the_header_check_and_a_second_import_agree(tmp_path: Path) -> None:
     assert config["quantization"]["model.layers.1.mlp.switch_mlp.up_proj"]["bits"] == 4
 
 
-def test_a_node_serves_a_qwen3moe_gguf_as_the_float32_reference_answers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", [MOE, MXFP4_MOE], ids=["q8-q4-experts", "mxfp4-experts"])
+def test_a_node_serves_a_qwen3moe_gguf_as_the_float32_reference_answers(
+    spec: TinyModel, tmp_path: Path
+) -> None:
     from mlx_lm import generate, load
 
     gguf = tmp_path / "tiny-moe.gguf"
-    reference, _kinds = write_tiny_gguf(MOE, gguf, seed=3)
+    reference, _kinds = write_tiny_gguf(spec, gguf, seed=3)
     imported = import_gguf(gguf, tmp_path / "imported")
     loaded = load(str(reference_folder(imported, reference, tmp_path / "reference")))
     plain, tokenizer = loaded[0], loaded[1]

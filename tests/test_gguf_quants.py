@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from node.models.gguf_quants import (
     AFFINE_BITS,
     UnsupportedQuantError,
+    convert_mxfp4_rows,
     convert_rows,
     pack,
     requantize8,
@@ -163,3 +164,25 @@ def test_row_chunks_cover_every_row_once() -> None:
     chunks = list(row_chunks(1000, 1 << 20))
     assert chunks[0] == (0, 4) and chunks[-1] == (996, 1000) and len(chunks) == 250
     assert list(row_chunks(3, 10)) == [(0, 3)]
+
+
+def test_mxfp4_is_mlx_mxfp4_exactly_for_every_code_and_scale_byte() -> None:
+    """Random blocks whose scale bytes take all values but 255 and whose codes all 16 (both signs of 0)."""
+    rng = np.random.default_rng(4)
+    block, size = GGML_QUANT_SIZES[Q.MXFP4]
+    rows = 256 * block // COLS  # 256 blocks
+    blocks = rng.integers(0, 256, size=(rows * COLS // block, size), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256) % 255  # every E8M0 byte MLX reads as a number, subnormal results included
+    blocks[0, 1:9] = np.arange(0, 256, 17)[:8]  # codes 0-15 among the low and high nibbles
+    raw = blocks.reshape(rows, -1)
+    weight, scales = convert_mxfp4_rows(raw, COLS)
+    assert (weight.shape, scales.shape, scales.dtype) == ((rows, COLS // 8), (rows, COLS // 32), np.uint8)
+    with np.errstate(over="ignore"):  # 12 x 2^126 is inf in float32, to both
+        want = dequantize(raw, Q.MXFP4)
+    got = mx.dequantize(
+        mx.array(weight), mx.array(scales), None, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32
+    )
+    assert np.array_equal(np.array(got), want)
+    raw[-1, 0] = 255  # 2^128 to llama.cpp, NaN to MLX: refused
+    with pytest.raises(UnsupportedQuantError, match="scale byte 255"):
+        convert_mxfp4_rows(raw, COLS)

@@ -27,12 +27,14 @@ from node.models.gguf_arch import (
     weight_rank,
 )
 from node.models.gguf_quants import (
-    AFFINE_BITS,
     GROUP_SIZE,
     PLAIN_DTYPES,
+    QUANTIZED_BITS,
     REQUANTIZED,
     UnsupportedQuantError,
+    convert_mxfp4_rows,
     convert_rows,
+    quant_mode,
     row_chunks,
 )
 from node.models.gguf_safetensors import SafetensorsWriter
@@ -69,7 +71,7 @@ class _Tensor:
             self.order = unpermute_order(self.rows, heads)
         if self.qtype in PLAIN_DTYPES:
             self.bits: int | None = None
-        elif self.qtype not in AFFINE_BITS:
+        elif self.qtype not in QUANTIZED_BITS:
             raise GGUFImportError(f"tensor {self.gguf_name!r} has type {self.qtype.name}: not supported")
         elif not is_quantizable(self.hf_name) or len(self.shape) != weight_rank(self.hf_name):
             raise GGUFImportError(
@@ -77,18 +79,18 @@ class _Tensor:
                 " weights can stay quantized in MLX"
             )
         else:
-            self.bits = AFFINE_BITS[self.qtype]
+            self.bits = QUANTIZED_BITS[self.qtype]
+        self.mode = quant_mode(self.qtype)
 
     def specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         if self.bits is None:
             return {self.hf_name: (PLAIN_DTYPES[self.qtype], self.shape)}
         base = self.hf_name.removesuffix(".weight")
         groups = (*self.shape[:-1], self.cols // GROUP_SIZE)  # experts: (experts, rows, groups)
-        return {
-            self.hf_name: ("U32", (*self.shape[:-1], self.cols * self.bits // 32)),
-            f"{base}.scales": ("F16", groups),
-            f"{base}.biases": ("F16", groups),
-        }
+        weight = {self.hf_name: ("U32", (*self.shape[:-1], self.cols * self.bits // 32))}
+        if self.mode == "mxfp4":  # E8M0 scale bytes, no biases
+            return weight | {f"{base}.scales": ("U8", groups)}
+        return weight | {f"{base}.scales": ("F16", groups), f"{base}.biases": ("F16", groups)}
 
     def write(self, out: SafetensorsWriter) -> None:
         """Convert and write row chunk by row chunk, in HF row order."""
@@ -99,24 +101,26 @@ class _Tensor:
                 out.write_at(names[0], start * rows.shape[1], rows)
                 continue
             try:
-                parts = convert_rows(self.qtype, rows, self.cols)
+                if self.mode == "mxfp4":
+                    arrays: tuple[np.ndarray[Any, Any], ...] = convert_mxfp4_rows(rows, self.cols)
+                else:
+                    arrays = convert_rows(self.qtype, rows, self.cols)
             except UnsupportedQuantError as exc:
                 raise GGUFImportError(f"tensor {self.gguf_name!r}: {exc}") from exc
-            arrays: tuple[np.ndarray[Any, Any], ...] = parts
             for name, part in zip(names, arrays, strict=True):
                 out.write_at(name, start * part[0].nbytes, part)
 
 
 def quantization_config(tensors: list[_Tensor]) -> dict[str, Any] | None:
-    """mlx-lm's `quantization`: the most common bits, plus an entry per module with other bits."""
-    bits = {t.hf_name.removesuffix(".weight"): t.bits for t in tensors if t.bits is not None}
-    if not bits:
+    """mlx-lm's `quantization`: the most common bits and mode, plus an entry per module that differs."""
+    forms = {t.hf_name.removesuffix(".weight"): (t.bits, t.mode) for t in tensors if t.bits is not None}
+    if not forms:
         return None
-    default = min(Counter(bits.values()).most_common(), key=lambda kv: (-kv[1], kv[0]))[0]
-    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default, "mode": "affine"}
-    for module, b in sorted(bits.items()):
-        if b != default:
-            config[module] = {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
+    default = min(Counter(forms.values()).most_common(), key=lambda kv: (-kv[1], kv[0]))[0]
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default[0], "mode": default[1]}
+    for module, (bits, mode) in sorted(forms.items()):
+        if (bits, mode) != default:
+            config[module] = {"group_size": GROUP_SIZE, "bits": bits, "mode": mode}
     return config
 
 

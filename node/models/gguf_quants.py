@@ -12,6 +12,7 @@ of the row's uint32 words (little end first). The GGUF types map onto it as foll
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m; 32 4-bit q); w = d*sc*q - dmin*m | 4-bit | fp16 scales |
 | Q5_K | as Q4_K with 5-bit q | 8-bit (q 0..31 fits) | fp16 scales |
 | Q6_K | 256: fp16 d; 16 x (int8 sc, 16 6-bit q); w = d*sc*(q - 32) | 8-bit symmetric, requantized | no |
+| MXFP4 | 32: E8M0 e, 4-bit E2M1 q; w = e2m1(q) * 2^(e-127) | MLX `mxfp4` (scale byte e, no biases) | yes |
 
 Q4_0/Q4_1/Q8_0 come out exactly as `mx.load` of the GGUF gives them (a test checks it). For
 Q4_K/Q5_K, `d*sc` and `dmin*m` are exact in float32 but stored as float16 like the other types'
@@ -22,6 +23,9 @@ and every other type's scales are fp16 already). Q6_K's two 16-weight
 sub-blocks in a group of 32 have different scales, so no 32-group affine form holds both exactly:
 those tensors are dequantized row chunk by row chunk and requantized to symmetric 8 bits (max|w|
 per group, no biases kept; error <= half an 8-bit step, ~1/8 of Q6_K's own step). Every other type is refused.
+MXFP4 (llama.cpp's `MXFP4_MOE` experts) is MLX's own `mxfp4` mode: gguf-py writes its values
+doubled (`kvalues`) with half the scale (`e8m0_to_fp32_half`), the same numbers; only the nibble
+order changes (a test checks every code and scale byte against gguf-py's dequantize).
 Work is done on row chunks, so no float32 copy of a whole large tensor is ever made.
 """
 
@@ -49,7 +53,9 @@ AFFINE_BITS: dict[GGMLQuantizationType, int] = {
     Q.Q5_K: 8,
     Q.Q6_K: 8,
 }
-"""The quantized GGUF types we read, and the MLX affine bits each becomes."""
+"""The quantized GGUF types we read as MLX affine, and the bits each becomes."""
+QUANTIZED_BITS: dict[GGMLQuantizationType, int] = {**AFFINE_BITS, Q.MXFP4: 4}
+"""Every quantized GGUF type we read, and the MLX bits it becomes (the mode: `quant_mode`)."""
 PLAIN_DTYPES: dict[GGMLQuantizationType, str] = {Q.F32: "F32", Q.F16: "F16", Q.BF16: "BF16"}
 """Unquantized GGUF types, kept as stored (safetensors dtype names)."""
 REQUANTIZED = frozenset({Q.Q6_K})
@@ -160,6 +166,29 @@ def convert_rows(qtype: GGMLQuantizationType, raw: U8, cols: int) -> Affine:
         _fp16(scale.reshape(groups), f"{qtype.name} scales"),
         _fp16(bias.reshape(groups), f"{qtype.name} biases"),
     )
+
+
+MXFP4_NAN_SCALE = 255
+"""The E8M0 byte MLX (like the OCP MX spec) reads as NaN, llama.cpp as 2^128 (no real file has it)."""
+
+
+def quant_mode(qtype: GGMLQuantizationType) -> str:
+    """MLX's quantization mode for a type of `QUANTIZED_BITS`: `mxfp4` has no biases."""
+    return "mxfp4" if qtype == Q.MXFP4 else "affine"
+
+
+def convert_mxfp4_rows(raw: U8, cols: int) -> tuple[npt.NDArray[np.uint32], U8]:
+    """Raw MXFP4 rows (n, bytes per row) -> MLX `mxfp4` (weight, scales): codes repacked, scales as stored."""
+    block, size = GGML_QUANT_SIZES[Q.MXFP4]
+    if cols % block:
+        raise UnsupportedQuantError(f"rows of {cols} weights are not whole MXFP4 blocks")
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, size)
+    scales = np.ascontiguousarray(blocks[:, 0]).reshape(rows, cols // block)
+    if (scales == MXFP4_NAN_SCALE).any():
+        raise UnsupportedQuantError("MXFP4 scale byte 255 (llama.cpp: 2^128, MLX: not a number)")
+    q = _nibbles(blocks[:, 1:], block // 2)  # elements 0-15 in the low nibbles, 16-31 in the high ones
+    return pack(q.reshape(rows, cols), 4), scales
 
 
 def row_chunks(rows: int, cols: int) -> Iterator[tuple[int, int]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4}
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "U8": 1}
 """Bytes per element of the dtypes the GGUF import writes."""
 HEADER_ALIGN = 8
 """safetensors pads the JSON header with spaces so the data starts 8-byte aligned."""

@@ -84,7 +84,7 @@ def check_header(path: Path) -> None:
 
     from node.models.gguf_arch import build_config, check_tensor_names
     from node.models.gguf_convert import read_gguf
-    from node.models.gguf_quants import AFFINE_BITS, PLAIN_DTYPES
+    from node.models.gguf_quants import PLAIN_DTYPES, QUANTIZED_BITS
 
     reader, meta = read_gguf(path)
     by_name = {str(t.name): t for t in reader.tensors}
@@ -94,7 +94,7 @@ def check_header(path: Path) -> None:
     check_tensor_names(by_name, str(meta.get("general.architecture")), config["num_hidden_layers"])
     for name, tensor in by_name.items():
         qtype = GGMLQuantizationType(int(tensor.tensor_type))
-        if qtype not in PLAIN_DTYPES and qtype not in AFFINE_BITS:
+        if qtype not in PLAIN_DTYPES and qtype not in QUANTIZED_BITS:
             raise GGUFImportError(f"tensor {name!r} has type {qtype.name}: not supported")
 
 
