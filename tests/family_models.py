@@ -12,6 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Literal
 
+import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from tests.model_factory import _random_parameters, _special_ids, tokenizer_vocab_size, write_model_folder
@@ -55,10 +56,17 @@ _FAMILY: dict[str, dict[str, Any]] = {
 
 
 def make_family_model(
-    out_dir: Path, family: Family, *, tokenizer_from: Path, num_layers: int = 6, seed: int = 0
+    out_dir: Path,
+    family: Family,
+    *,
+    tokenizer_from: Path,
+    num_layers: int = 6,
+    seed: int = 0,
+    tied: bool = False,
 ) -> Path:
     """Write a random float32 `family` model folder to `out_dir` and return it (gpt_oss must be
-    float32 on the CPU: MLX's `GatherMM` has no other dtype there)."""
+    float32 on the CPU: MLX's `GatherMM` has no other dtype there). `tied`: no `lm_head`, the
+    embedding is the head (as gemma3 checkpoints come)."""
     config: dict[str, Any] = {
         "model_type": family,
         "vocab_size": tokenizer_vocab_size(tokenizer_from),
@@ -66,13 +74,14 @@ def make_family_model(
         **_SHARED,
         **_FAMILY[family],
         **_special_ids(tokenizer_from),
+        "tie_word_embeddings": tied,
     }
     if family == "gpt_oss":
         config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
     module = importlib.import_module(f"mlx_lm.models.{family}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    import mlx.core as mx
-
     weights = _random_parameters(dict(tree_flatten(model.parameters())), seed, mx.float32)
     model.update(tree_unflatten(list(weights.items())))
+    if tied:
+        weights.pop("lm_head.weight")
     return write_model_folder(Path(out_dir), weights, config, tokenizer_from=tokenizer_from)

@@ -2,28 +2,32 @@
 
 Each family's tiny random model, split in 2 and 3 stages over real stage processes, gives the
 greedy tokens of `mlx_lm.stream_generate` on the whole model, prefilled in chunks (so sliding
-windows and their masks cross chunk and stage boundaries) and in one piece.
+windows and their masks cross chunk and stage boundaries) and in one piece. A tied gemma3 (the head
+is the embedding, so the last stage holds it too) as well.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_args
+from typing import cast, get_args
 
+import mlx.nn as nn
 import pytest
 
-from node.pipeline.generic import GenericShard
+from node.pipeline.generic import GenericShard, generic_shard
+from node.pipeline.shard import ShardError
 from tests.family_models import Family, make_family_model
 from tests.test_pipeline import _prompt, ring, run, single_process
 
 
-@pytest.fixture(scope="module", params=get_args(Family))
+@pytest.fixture(scope="module", params=[*get_args(Family), "gemma3_text-tied"])
 def family_dir(
     request: pytest.FixtureRequest, builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    family: Family = request.param
+    family = cast(Family, request.param.removesuffix("-tied"))
+    tied = request.param.endswith("-tied")
     return make_family_model(
-        tmp_path_factory.mktemp(family) / family, family, tokenizer_from=builtin_model_dir
+        tmp_path_factory.mktemp(family) / request.param, family, tokenizer_from=builtin_model_dir, tied=tied
     )
 
 
@@ -36,3 +40,10 @@ def test_greedy_tokens_match_one_process(family_dir: Path, stages: int) -> None:
         assert isinstance(driver.shard, GenericShard)
         assert run(driver, family_dir, prompt, max_tokens=8, prefill_step_size=8) == chunked
         assert run(driver, family_dir, prompt, max_tokens=4)[0] == whole
+
+
+def test_a_family_a_stage_cannot_run_is_refused_with_why() -> None:
+    with pytest.raises(ShardError, match="'gemma3n' cannot be split into stages: its layers take per-layer"):
+        generic_shard(nn.Module(), {"model_type": "gemma3n"}, start=0, end=1)
+    with pytest.raises(ShardError, match="has no list of decoder layers"):
+        generic_shard(nn.Module(), {"model_type": "unknown"}, start=0, end=1)

@@ -98,8 +98,17 @@ class GenericShard(Shard):
         object.__setattr__(self, "_cut", cut)
         object.__setattr__(self, "_owner", owner)
         self.net = net  # the whole pruned model: the only child, so parameters are named once
-        kinds = [cache_kind(c) for c in full_cache(net)]
+        template = full_cache(net)
+        kinds = [cache_kind(c) for c in template]
         object.__setattr__(self, "_kinds", kinds)
+        # For a kind this stage has no layer of: a cache never written (only skipped layers,
+        # which ignore it, use its mask), so one per kind serves every call.
+        spares = {
+            kind: c
+            for kind, c in zip(kinds, template, strict=True)
+            if kind not in kinds[spec.start : spec.end]
+        }
+        object.__setattr__(self, "_spares", spares)
 
     @property
     def layers(self) -> list[nn.Module]:  # type: ignore[override]
@@ -117,19 +126,11 @@ class GenericShard(Shard):
         cut: _Cut = object.__getattribute__(self, "_cut")
         kinds: list[Hashable] = object.__getattribute__(self, "_kinds")
         own = {kinds[spec.start + i]: c for i, c in enumerate(cache)}
-        spare: dict[Hashable, Any] = {}
-        full: list[Any] = []
-        templates = None
-        for i, kind in enumerate(kinds):
-            if spec.start <= i < spec.end:
-                full.append(cache[i - spec.start])
-            elif kind in own:
-                full.append(own[kind])
-            else:
-                if kind not in spare:
-                    templates = templates or full_cache(self.net)
-                    spare[kind] = templates[i]
-                full.append(spare[kind])
+        spares: dict[Hashable, Any] = object.__getattribute__(self, "_spares")
+        full = [
+            cache[i - spec.start] if spec.start <= i < spec.end else own.get(kind, spares.get(kind))
+            for i, kind in enumerate(kinds)
+        ]
         cut.received, cut.sent = (None, None) if spec.is_first else (x, None)
         ids = x if spec.is_first else mx.zeros(x.shape[:2], mx.int32)
         try:

@@ -17,8 +17,10 @@ headers before anything is evaluated (`ShardError` names the first one missing).
 The forward pass is spelled out here rather than borrowed from the model's `__call__`, because a
 stage must stop after its last layer and start from a received hidden state. It is the same
 sequence of operations mlx-lm's llama/qwen2/qwen3 run (embedding, attention mask from the cache,
-each layer, norm, head), so greedy tokens match a single process exactly. Families whose forward
-differs (scaled embeddings, extra inputs) are refused with `ShardError` rather than run wrongly.
+each layer, norm, head), so greedy tokens match a single process exactly, and the fused decode
+paths (`node.cpu`) see the same layers as in a runner. Every other family (scaled embeddings,
+per-layer masks, experts) runs its own mlx-lm forward with the other stages' layers replaced by
+stand-ins: `node.pipeline.generic.GenericShard`, which `load_shard` returns for them.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from protocol.sampling import REPETITION_CONTEXT, Sampling
 log = logging.getLogger("shoal.pipeline")
 
 SUPPORTED_MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
-"""mlx-lm model files whose forward is exactly: embed, mask, layer(h, mask, cache) each, norm, head.
-(mlx-lm maps mistral and other llama-shaped families onto `llama`.)"""
+"""mlx-lm model files whose forward is exactly: embed, mask, layer(h, mask, cache) each, norm, head,
+run by `Shard.forward` (mlx-lm maps mistral and other llama-shaped families onto `llama`); the rest
+run as `GenericShard`s."""
 
 MAX_HEADER_BYTES = 100 * 1024**2
 """A safetensors header larger than this is refused (the safetensors library's own limit)."""
