@@ -7,9 +7,10 @@
    Q4_K/Q6_K into float16);
 2. keeps each weight in its stored form: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K as
    MLX affine `weight`/`scales`/`biases` triples (group 32; exact but for fp16 scales of the
-   K-quants), Q6_K requantized to 8 bits; see `gguf_quants`. Expert tensors (experts, rows, cols)
-   are converted row by row alike and become mlx-lm's SwitchLinear triples. config.json gets mlx-lm's
-   `quantization` section, with a per-module entry wherever the bits differ from the default;
+   K-quants), Q6_K requantized to 8 bits, MXFP4 as MLX `mxfp4` (exact); see `gguf_quants`.
+   Expert tensors (experts, rows, cols) are converted row by row alike and become mlx-lm's
+   SwitchLinear weights. config.json gets mlx-lm's `quantization` section, with a per-module entry
+   wherever the bits or mode differ from the default;
 3. renames tensors to Hugging Face names and, for llama, undoes llama.cpp's q/k row permutation
    on the rows of all three parts alike (rows are output features); see `gguf_arch`;
 4. writes config.json, the tokenizer files (see `gguf_tokenizer`) and, when the file or its family
