@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import cast, get_args
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 from node.pipeline.generic import GenericShard, generic_shard
-from node.pipeline.shard import ShardError
+from node.pipeline.shard import ShardError, load_shard
 from tests.family_models import Family, make_family_model
 from tests.test_pipeline import _prompt, ring, run, single_process
 
@@ -47,3 +49,11 @@ def test_a_family_a_stage_cannot_run_is_refused_with_why() -> None:
         generic_shard(nn.Module(), {"model_type": "gemma3n"}, start=0, end=1)
     with pytest.raises(ShardError, match="has no list of decoder layers"):
         generic_shard(nn.Module(), {"model_type": "unknown"}, start=0, end=1)
+
+
+def test_a_middle_stage_holds_only_its_layers(family_dir: Path) -> None:
+    """Memory follows the share: no embedding, norm or head, no other stage's layers."""
+    middle = load_shard(family_dir, start=2, end=4)
+    names = {name for name, _ in cast(list[tuple[str, mx.array]], tree_flatten(middle.parameters()))}
+    assert names and all(name.startswith(("net.model.layers.2.", "net.model.layers.3.")) for name in names)
+    assert len(middle.make_cache()) == 2
