@@ -15,6 +15,7 @@ from node.models.gguf_arch import (
     check_tensor_names,
     expected_tensors,
     fit_llama3_rope,
+    hf_tensor_name,
     is_quantizable,
     permute_order,
     unpermute_order,
@@ -80,6 +81,46 @@ def test_qwen3moe_config_has_qwen3_moe_expert_fields() -> None:
         )
         with pytest.raises(GGUFImportError, match="expert"):
             build_config(broken, has_output=True)
+
+
+def test_gpt_oss_config_tensors_and_yarn() -> None:
+    keys = {"expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 2880}
+    yarn = {
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": 32.0,
+        "rope.scaling.original_context_length": 4096,
+    }
+    meta = _meta(
+        "gpt-oss", **{f"gpt-oss.{k}": v for k, v in {**keys, **yarn, "attention.sliding_window": 128}.items()}
+    )
+    config = build_config(meta, has_output=True)
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == (
+        "gpt_oss",
+        32,
+        4,
+    )
+    assert (config["intermediate_size"], config["sliding_window"]) == (2880, 128)  # the experts' width
+    assert config["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+    for key, value in [("rope.scaling.yarn_attn_factor", 0.5), ("attention.sliding_window", None)]:
+        with pytest.raises(GGUFImportError, match=r"yarn_attn_factor|sliding_window"):
+            build_config({**meta, f"gpt-oss.{key}": value}, has_output=True)
+    names = expected_tensors("gpt-oss", 2, has_output=False)  # the head is never tied
+    assert {"output.weight", "blk.1.attn_sinks.weight", "blk.0.ffn_down_exps.bias"} <= names
+    assert hf_tensor_name("blk.1.attn_sinks.weight", "gpt-oss") == "model.layers.1.self_attn.sinks"
+    assert hf_tensor_name("blk.0.ffn_gate_inp.bias", "gpt-oss") == "model.layers.0.mlp.router.bias"
+    assert (
+        hf_tensor_name("blk.0.ffn_up_exps.weight", "gpt-oss") == "model.layers.0.mlp.experts.up_proj.weight"
+    )
+    assert weight_rank("model.layers.0.mlp.experts.up_proj.weight") == 3
+    with pytest.raises(GGUFImportError, match="no qwen3moe equivalent"):
+        hf_tensor_name("blk.1.attn_sinks.weight", "qwen3moe")
 
 
 @pytest.mark.parametrize(

@@ -83,9 +83,9 @@ class TinyModel:
                 "attn_k.weight": (kv_rows, HIDDEN),
                 "attn_v.weight": (kv_rows, HIDDEN),
                 "attn_output.weight": (HIDDEN, q_rows),
-                "ffn_norm.weight": (HIDDEN,),
+                ("attn_post_norm" if self.arch == "gpt-oss" else "ffn_norm") + ".weight": (HIDDEN,),
             }
-            if self.arch == "qwen3moe":
+            if self.arch in ("qwen3moe", "gpt-oss"):
                 layer |= {
                     "ffn_gate_inp.weight": (EXPERTS, HIDDEN),
                     "ffn_gate_exps.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
@@ -99,6 +99,9 @@ class TinyModel:
                 layer |= {"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)}
             if self.arch in ("qwen3", "qwen3moe"):
                 layer |= {"attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,)}
+            if self.arch == "gpt-oss":  # a bias for every matrix (experts: one per expert), sinks
+                layer |= {n.replace(".weight", ".bias"): s[:-1] for n, s in layer.items() if len(s) > 1}
+                layer["attn_sinks.weight"] = (HEADS,)
             shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
         return shapes
 
@@ -121,14 +124,22 @@ _HF_LAYER = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+_HF_GPT_OSS = {
+    "attn_post_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
+}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """The test's own spelling of the HF names (independent of node.models.gguf_arch)."""
     parts = gguf_name.split(".")
     if parts[0] != "blk":
         return f"{_HF_GLOBAL[parts[0]]}.{parts[1]}"
-    return f"model.layers.{parts[1]}.{_HF_LAYER[parts[2]]}.{parts[3]}"
+    name = f"model.layers.{parts[1]}.{(_HF_LAYER | (_HF_GPT_OSS if arch == 'gpt-oss' else {}))[parts[2]]}"
+    return name if parts[2] == "attn_sinks" else f"{name}.{parts[3]}"
 
 
 def write_tiny_gguf(
@@ -153,10 +164,15 @@ def write_tiny_gguf(
         f"{a}.rope.dimension_count": spec.head_dim,
     }.items():
         writer.add_uint32(key, value)
-    if a == "qwen3moe":
+    if a in MODEL_TYPES:  # mixtures of experts
         writer.add_uint32(f"{a}.expert_count", EXPERTS)
         writer.add_uint32(f"{a}.expert_used_count", EXPERTS_USED)
         writer.add_uint32(f"{a}.expert_feed_forward_length", EXPERT_FFN)
+    if a == "gpt-oss":  # as llama.cpp's converter writes gpt-oss-20b's
+        writer.add_uint32(f"{a}.attention.sliding_window", 128)
+        writer.add_string(f"{a}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{a}.rope.scaling.factor", 32.0)
+        writer.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_float32(f"{a}.rope.freq_base", ROPE_BASE)
     writer.add_string("tokenizer.ggml.model", meta["tokenizer.ggml.model"])
@@ -172,10 +188,10 @@ def write_tiny_gguf(
     reference: dict[str, np.ndarray[Any, Any]] = {}
     kinds: dict[str, Q] = {}
     for i, (name, shape) in enumerate(sorted(spec.shapes(vocab).items())):
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith(".bias"):
             data = (1.0 if "norm" in name else 0.0) + rng.standard_normal(shape).astype(np.float32) * 0.1
             writer.add_tensor(name, data)
-            reference[hf_name(name)] = data
+            reference[hf_name(name, spec.arch)] = data
             continue
         part = name.split(".")[-2]
         qtype = spec.types.get(part, spec.default)
@@ -185,7 +201,7 @@ def write_tiny_gguf(
         else:
             raw = quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype if raw.dtype == np.uint8 else None)
-        kinds[hf_name(name)] = qtype
+        kinds[hf_name(name, spec.arch)] = qtype
         if qtype not in EXACT | READ:
             continue  # a type the import must refuse: no reference needed
         rows = dequantize(raw, qtype).reshape(shape)
@@ -195,7 +211,7 @@ def write_tiny_gguf(
             hf_rows = np.empty_like(rows)
             hf_rows[order] = rows
             rows = hf_rows
-        reference[hf_name(name)] = rows
+        reference[hf_name(name, spec.arch)] = rows
     if spec.rope_freqs:
         factors = llama_cpp_rope_factors(
             factor=8.0, low=1.0, high=4.0, old=8192, head_dim=spec.head_dim, base=ROPE_BASE
@@ -267,8 +283,10 @@ CASES = {
         default=Q.Q4_1,
         tied=True,
     ),
+    "gpt-oss-mxfp4-experts": TinyModel(
+        "gpt-oss", types=dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), Q.MXFP4)
+    ),
 }
-MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -5,10 +5,11 @@ interleaves each head's rotary halves in the q and k rows, which `unpermute_orde
 `qwen2` (q/k/v biases), `qwen3` (q/k RMS norms, its own head_dim) and `qwen3moe` (qwen3's
 attention; every layer a mixture of experts: router `ffn_gate_inp` -> `mlp.gate`, the
 (experts, rows, cols) `ffn_{gate,up,down}_exps` -> mlx-lm's `mlp.switch_mlp.*_proj`, whose
-SwitchLinear weights have the same layout; no shared experts). No qwen is permuted (llama.cpp's
+SwitchLinear weights have the same layout; no shared experts) and `gpt-oss` (see `gguf_gptoss`:
+its own names, biases, sinks, yarn). No qwen is permuted (llama.cpp's
 converter permutes only for its Llama class). Llama 3.x rope scaling arrives as a `rope_freqs`
 tensor of per-dimension factors and is turned back into HF's `rope_scaling` (`fit_llama3_rope`).
-Anything else (other MoE families, partial rotary, yarn, another architecture) raises
+Anything else (other MoE families, partial rotary, yarn but gpt-oss's, another architecture) raises
 `GGUFImportError`: better no model than one that talks nonsense.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from node.models import gguf_gptoss
 from node.models.gguf import GGUFImportError
 
 ARCHITECTURES = {
@@ -31,14 +33,16 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 """GGUF `general.architecture` -> HF architecture."""
-MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 """GGUF architectures whose mlx-lm `model_type` is another word (the others: the same word)."""
 MOE_ARCHITECTURES = frozenset({"qwen3moe"})
 """Architectures whose every layer's feed-forward is a mixture of experts (no dense ffn tensors)."""
-EXPERT_MODULE = ".switch_mlp."
-"""Part of the HF name of an expert weight: (experts, rows, cols), quantized per row as a 2D one."""
+EXPERT_MODULES = (".switch_mlp.", ".mlp.experts.")
+"""Parts of the HF name of an expert weight (qwen3_moe, gpt_oss): (experts, rows, cols), quantized
+per row as a 2D one."""
 PERMUTED_QK = frozenset({"llama"})
 """Architectures whose q/k rows llama.cpp's converter permuted."""
 LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
@@ -86,9 +90,10 @@ QUANTIZABLE = frozenset(
         "up_proj",
         "down_proj",
         "gate",
+        "router",
     ]
 )
-"""Modules (last name part) that are Linear/Embedding/SwitchLinear in mlx-lm (`gate`: the MoE router)
+"""Modules (last name part) that are Linear/Embedding/SwitchLinear in mlx-lm (`gate`, `router`: MoE routers)
 and so can hold quantized weights."""
 
 
@@ -96,8 +101,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """llama.cpp's tensor name -> HF's: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if match := _LAYER_RE.fullmatch(gguf_name):
         layer, part, kind = match.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = _LAYER_NAMES | gguf_gptoss.LAYER_NAMES if arch == gguf_gptoss.GPT_OSS else _LAYER_NAMES
+        if part in names:
+            bare = part in gguf_gptoss.BARE_PARAMETERS and kind == "weight"
+            return f"model.layers.{layer}.{names[part]}" + ("" if bare else f".{kind}")
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
@@ -109,7 +116,9 @@ def expected_tensors(arch: str, n_layers: int, *, has_output: bool) -> set[str]:
     """The GGUF tensor names an `arch` model of `n_layers` has (besides `rope_freqs`)."""
     names = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if has_output else set())
     ffn = _MOE_FFN if arch in MOE_ARCHITECTURES else _DENSE_FFN
-    per_layer = [f"{part}.weight" for part in (*_BASE_LAYER, *ffn)] + list(_EXTRA_LAYER[arch])
+    per_layer = [f"{part}.weight" for part in (*_BASE_LAYER, *ffn)] + list(_EXTRA_LAYER.get(arch, ()))
+    if arch == gguf_gptoss.GPT_OSS:  # its own set; the head is never tied
+        names, per_layer = names | {"output.weight"}, list(gguf_gptoss.LAYER_TENSORS)
     return names | {f"blk.{i}.{part}" for i in range(n_layers) for part in per_layer}
 
 
@@ -134,7 +143,7 @@ def is_quantizable(hf_name: str) -> bool:
 
 def weight_rank(hf_name: str) -> int:
     """How many dimensions mlx-lm's weight `hf_name` has when it is a matrix: 3 for experts."""
-    return 3 if EXPERT_MODULE in hf_name else 2
+    return 3 if any(module in hf_name for module in EXPERT_MODULES) else 2
 
 
 def permute_order(rows: int, n_heads: int) -> npt.NDArray[np.intp]:
@@ -181,11 +190,12 @@ def build_config(
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise GGUFImportError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
-    if arch not in MOE_ARCHITECTURES and meta.get(f"{arch}.expert_count"):
+    if arch not in MOE_ARCHITECTURES | {gguf_gptoss.GPT_OSS} and meta.get(f"{arch}.expert_count"):
         raise GGUFImportError(f"mixture-of-experts {arch} GGUFs are not supported")
     if arch == "qwen2" and head_dim * n_heads != hidden:
         raise GGUFImportError(f"qwen2 with head_dim {head_dim} != hidden/heads is not supported by mlx-lm")
-    ffn_key = "expert_feed_forward_length" if arch in MOE_ARCHITECTURES else "feed_forward_length"
+    moe = arch in MOE_ARCHITECTURES | {gguf_gptoss.GPT_OSS}
+    ffn_key = "expert_feed_forward_length" if moe else "feed_forward_length"
     vocab_size = meta.get(f"{arch}.vocab_size")
     if vocab_size is None:
         vocab_size = len(meta.get("tokenizer.ggml.tokens") or ())
@@ -209,9 +219,13 @@ def build_config(
     }
     if arch in MOE_ARCHITECTURES:
         config |= moe_config(meta, arch)
+    elif arch == gguf_gptoss.GPT_OSS:
+        config |= gguf_gptoss.gptoss_config(meta, config["num_hidden_layers"])
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling == "yarn" and arch == gguf_gptoss.GPT_OSS:
+        config["rope_scaling"] = gguf_gptoss.yarn_scaling(meta)
     elif scaling != "none":
         raise GGUFImportError(f"rope scaling {scaling!r} is not supported")
     if rope_freqs is not None:
