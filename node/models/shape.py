@@ -65,7 +65,8 @@ DTYPE_BYTES = {
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 HALF_DTYPES = frozenset({"F16", "BF16"})
 KERNEL_BITS = frozenset({4, 8})
-"""What the CPU kernels keep as stored (node.cpu.kernel_layers): 16-bit matrices, affine 4/8-bit layers."""
+"""What the CPU kernels keep as stored (node.cpu.kernel_layers): 16-bit matrices, affine 4/8-bit
+layers (experts too); other modes (MXFP4) are dequantized to float32 at load, and counted so."""
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 UNSPLITTABLE = {
@@ -199,14 +200,24 @@ def _read_headers(folder: Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def _quantization_bits(config: dict[str, Any]) -> dict[str, int]:
-    """Bits per quantized module: "" is the default, other keys are module paths."""
+def _quantization_bits(config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Bits and mode (`affine`, `mxfp4`, ...) per quantized module: "" is the default, other keys
+    are module paths."""
     quant = config.get("quantization") or config.get("quantization_config")
     if not isinstance(quant, dict):
         return {}
-    bits = {k: v["bits"] for k, v in quant.items() if isinstance(v, dict) and isinstance(v.get("bits"), int)}
+
+    def spec(entry: dict[str, Any], default_mode: str) -> tuple[int, str]:
+        return entry["bits"], str(entry.get("mode", default_mode))
+
+    default_mode = str(quant.get("mode", "affine"))
+    bits = {
+        k: spec(v, default_mode)
+        for k, v in quant.items()
+        if isinstance(v, dict) and isinstance(v.get("bits"), int)
+    }
     if isinstance(quant.get("bits"), int):
-        bits[""] = quant["bits"]
+        bits[""] = spec(quant, "affine")
     return bits
 
 
@@ -221,7 +232,7 @@ def _runtime_bytes(
     name: str,
     info: dict[str, Any],
     tensors: dict[str, dict[str, Any]],
-    bits: dict[str, int],
+    bits: dict[str, tuple[int, str]],
     runtime_dtype_bytes: int | None,
     kernels: bool,
 ) -> int:
@@ -234,10 +245,11 @@ def _runtime_bytes(
         if kernels and info["dtype"] in HALF_DTYPES and len(info["shape"]) == 2:
             return stored
         return _elements(info) * runtime_dtype_bytes if info["dtype"] in FLOAT_DTYPES else stored
-    module_bits = bits.get(module, bits.get(""))
-    if module_bits is None:
+    module_spec = bits.get(module, bits.get(""))
+    if module_spec is None:
         raise ModelShapeError(f"tensor {name!r} is quantized but config.json gives no quantization bits")
-    if kernels and module_bits in KERNEL_BITS:
+    module_bits, mode = module_spec
+    if kernels and module_bits in KERNEL_BITS and mode == "affine":  # MXFP4 is dequantized at load
         return stored
     if kind != "weight":
         return 0  # folded into the dense weight
