@@ -97,3 +97,39 @@ def test_quantized_experts_stay_as_stored_and_give_the_float32_text(
     for prompt in (list(range(300, 340)), [1000]):  # prefill of 40 tokens (grouped by expert), one token
         want = _greedy_tokens(reference[0], reference[1], prompt)
         assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
+
+
+def test_mxfp4_experts_stay_as_stored_and_give_the_float32_text(
+    builtin_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """Experts MXFP4 and the rest 8-bit, as mlx-community's gpt-oss folders are written."""
+    from mlx_lm.utils import load, quantize_model
+
+    source = make_qwen3_moe(tmp_path / "f32", tokenizer_from=builtin_model_dir, seed=1)
+    loaded_source: Any = load(str(source), return_config=True)
+    model, _, config = loaded_source
+
+    def predicate(path: str, _module: Any) -> bool | dict[str, Any]:
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"} if "switch_mlp" in path else True
+
+    model, config = quantize_model(model, config, 64, 8, quant_predicate=predicate)
+    folder = write_model_folder(
+        tmp_path / "mxfp4", dict(_params(model)), config, tokenizer_from=builtin_model_dir
+    )
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        loaded = load_model(folder, vocab_dir=None)
+    assert "kept as stored" in caplog.messages[-1] and "dequantized" not in caplog.messages[-1]
+    experts = [m for m in dict(loaded.model.named_modules()).values() if isinstance(m, KernelSwitchLinear)]
+    assert len(experts) == 2 * 3 and all(m.scales.dtype == mx.uint8 for m in experts)
+    stored = mx.load(str(folder / "model.safetensors"))
+    assert isinstance(stored, dict)
+    held = sum(v.nbytes for _, v in _params(loaded.model))
+    assert held < 1.1 * sum(v.nbytes for v in stored.values())
+
+    reference = load(str(folder), lazy=True)
+    assert apply_dtype_policy(
+        reference[0], kernels=KernelLoad(None, "kernels left out by the test")
+    ).converted
+    for prompt in (list(range(300, 340)), [1000]):
+        want = _greedy_tokens(reference[0], reference[1], prompt)
+        assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want

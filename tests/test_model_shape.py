@@ -249,16 +249,16 @@ def test_an_unsplittable_family_says_why(tmp_path: Path) -> None:
     assert model_shape("m", fake_folder(tmp_path, GOOD, model_type="gpt_oss")).unsplittable == ""
 
 
-def test_mxfp4_experts_count_at_float32_where_the_kernels_would_not_hold_them(
+def test_mxfp4_experts_count_as_stored_with_the_kernels_and_at_float32_without(
     builtin_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Affine 4-bit experts stay as stored on the kernels; MXFP4 ones are dequantized at load, so
-    placement counts them at float32 (else a node would be given more than it can hold)."""
+    """Affine 4-bit and MXFP4 experts both stay as stored on the kernels, so placement counts their
+    stored bytes; without the kernels they are dequantized at load and count at float32."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, quantize_model
 
     source = make_family_model(tmp_path / "src", "qwen3_moe", tokenizer_from=builtin_model_dir, num_layers=2)
-    shapes = {}
+    shapes, plain, experts = {}, {}, {}
     for mode in ("affine", "mxfp4"):
         loaded: Any = load(str(source), return_config=True)
         model, _, config = loaded
@@ -272,10 +272,16 @@ def test_mxfp4_experts_count_at_float32_where_the_kernels_would_not_hold_them(
         mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
         (folder / "config.json").write_text(json.dumps(config))
         shapes[mode] = model_shape("m", folder, runtime_dtype_bytes=4, kernels=True)
-    stored = mx.load(str(tmp_path / "affine" / "model.safetensors"))
-    assert isinstance(stored, dict)
-    experts = {k: v for k, v in stored.items() if k.startswith("model.layers.0.mlp.switch_mlp.")}
-    as_stored = sum(v.nbytes for v in experts.values())
-    as_float32 = sum(v.size * 8 * 4 for k, v in experts.items() if k.endswith(".weight"))  # 8 values a word
-    # Layer 0 differs by exactly its experts' float32 size less their stored size (the rest is affine).
-    assert shapes["mxfp4"].layer_bytes[0] - shapes["affine"].layer_bytes[0] == as_float32 - as_stored
+        plain[mode] = model_shape("m", folder, runtime_dtype_bytes=4, kernels=False)
+        stored = mx.load(str(folder / "model.safetensors"))
+        assert isinstance(stored, dict)
+        experts[mode] = {k: v for k, v in stored.items() if k.startswith("model.layers.0.mlp.switch_mlp.")}
+    as_stored = {mode: sum(v.nbytes for v in e.values()) for mode, e in experts.items()}
+    assert as_stored["mxfp4"] < as_stored["affine"]  # one scale byte per 32, no biases
+    # Layer 0 differs by exactly its experts' stored sizes (the rest is the same affine 4-bit).
+    assert (
+        shapes["mxfp4"].layer_bytes[0] - shapes["affine"].layer_bytes[0]
+        == as_stored["mxfp4"] - as_stored["affine"]
+    )
+    # Without the kernels both are float32: the same bytes.
+    assert plain["mxfp4"].layer_bytes[0] == plain["affine"].layer_bytes[0]

@@ -23,7 +23,7 @@ namespace {
 // int32 sums are scaled by each chunk's scale x activation scale and added to one of two float
 // accumulators per row of x, alternating, so that no FMA waits on its predecessor. The same order
 // for any MB.
-template <int BITS, int MB>
+template <int BITS, int MB, bool FP4>
 void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
                  int n, int m0) {
   const int K = w.K, chunks = K / 32;
@@ -38,8 +38,8 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
   for (; c + 4 <= chunks; c += 4) {
     for (int line = 0; line < BITS * 16; line += 64)  // 4 chunks: one cache line (4-bit) or two
       _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes + line), _MM_HINT_T0);
-    pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
-    pair_into<BITS, MB>(row, xq, K, sx, chunks, c + 2, acc1);
+    pair_into<BITS, MB, FP4>(row, xq, K, sx, chunks, c, acc0);
+    pair_into<BITS, MB, FP4>(row, xq, K, sx, chunks, c + 2, acc1);
   }
   // The lines the steps above did not reach: the rest of the row ahead, up to its last byte (a row
   // is rarely a whole number of lines, so its last line would otherwise wait on memory every time).
@@ -48,13 +48,14 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
     _mm_prefetch(reinterpret_cast<const char*>(row + off + kPrefetchBytes), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
   if (c + 2 <= chunks) {
-    pair_into<BITS, MB>(row, xq, K, sx, chunks, c, acc0);
+    pair_into<BITS, MB, FP4>(row, xq, K, sx, chunks, c, acc0);
     c += 2;
   }
   if (c < chunks) {  // an odd number of chunks: the last one alone
     __m256* into = (c >> 1) & 1 ? acc1 : acc0;
     for (int m = 0; m < MB; m++) {
-      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS>(row + c * BITS * 4, xq + static_cast<long>(m) * K + c * 32));
+      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
+      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS, FP4>(row + c * BITS * 4, x));
       into[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sx + m * chunks + c), into[m]);
     }
   }
@@ -90,7 +91,7 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
 
 void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   const int K = w.K;
-  const bool affine = w.format == Format::Affine4 || w.format == Format::Affine8;
+  const bool affine = w.format != Format::F16 && w.format != Format::BF16;  // or MXFP4
   const int groups = affine ? K / w.group_size : 0;
   const float z = symmetric_bias(w, 1.0f);
   const __m128i mask = _mm_set1_epi8(0x0f);
@@ -111,18 +112,24 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
       const float s = scale1(w.scales, w.scale_type, g);
       const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(w.biases ? scale1(w.biases, w.scale_type, g) : z * s);
       __m128i bytes[2];
-      if (w.format == Format::Affine4) {
+      if (w.format != Format::Affine8) {
         __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
         __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
         bytes[0] = _mm_unpacklo_epi8(lo, hi);
         bytes[1] = _mm_unpackhi_epi8(lo, hi);
+        if (w.format == Format::Mxfp4) {  // codes as kE2M1x2's signed values
+          for (__m128i& b : bytes) b = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2)), b);
+        }
       } else {
         bytes[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
         bytes[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
       }
+      const auto widen = [&](__m128i b) {
+        return _mm256_cvtepi32_ps(w.format == Format::Mxfp4 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+      };
       for (int half = 0; half < 2; half++) {
-        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes[half]));
-        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes[half], 8)));
+        __m256 q0 = widen(bytes[half]);
+        __m256 q1 = widen(_mm_srli_si128(bytes[half], 8));
         _mm256_storeu_ps(o + k + half * 16, _mm256_fmadd_ps(q0, sv, bv));
         _mm256_storeu_ps(o + k + half * 16 + 8, _mm256_fmadd_ps(q1, sv, bv));
       }

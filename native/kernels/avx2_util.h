@@ -44,12 +44,18 @@ inline float bf16_scalar(uint16_t v) {
 // Scale (or bias) values i .. i + 7, and value i, as floats: read where they are stored, in the
 // product's prologue, so no pass converts them into a buffer first (that pass waited on DRAM).
 inline __m256 scales8(const void* p, ScaleType t, long i) {
+  if (t == ScaleType::E8M0) {  // 2^(e - 128): the float 2^(e - 127) halved; e = 0 (no such float) at the floor
+    const __m128i e = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i));
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23));
+    return _mm256_max_ps(_mm256_mul_ps(f, _mm256_set1_ps(0.5f)), _mm256_set1_ps(0x1p-128f));
+  }
   if (t == ScaleType::F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   const uint16_t* h = static_cast<const uint16_t*>(p) + i;
   return t == ScaleType::F16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))) : load_bf16x8(h);
 }
 
 inline float scale1(const void* p, ScaleType t, long i) {
+  if (t == ScaleType::E8M0) return e8m0_scale(static_cast<const uint8_t*>(p)[i]);
   if (t == ScaleType::F32) return static_cast<const float*>(p)[i];
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
   return t == ScaleType::F16 ? _cvtsh_ss(h) : bf16_scalar(h);
@@ -65,18 +71,38 @@ alignas(32) constexpr int kRepeat2[2][8] = {{0, 0, 1, 1, 2, 2, 3, 3}, {4, 4, 5, 
 alignas(32) constexpr int kRepeat4[4][8] = {
     {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
 
+// MXFP4: nibble j of every 16-bit lane of v as kE2M1x2's signed value, in q[j] (affine 4-bit
+// takes nibble j as it is). A byte shuffle of each byte's low and high nibble, then each lane's two
+// bytes sign-extended.
+inline void fp4_nibbles(__m128i v, __m128i* q) {
+  const __m128i mask = _mm_set1_epi8(0x0f), lut = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
+  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, mask));
+  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+  q[0] = _mm_srai_epi16(_mm_slli_epi16(lo, 8), 8), q[1] = _mm_srai_epi16(_mm_slli_epi16(hi, 8), 8);
+  q[2] = _mm_srai_epi16(lo, 8), q[3] = _mm_srai_epi16(hi, 8);
+}
+inline void fp4_nibbles(__m256i v, __m256i* q) {
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2)));
+  const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask));
+  const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+  q[0] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8), q[1] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
+  q[2] = _mm256_srai_epi16(lo, 8), q[3] = _mm256_srai_epi16(hi, 8);
+}
+
 // The int32 products of one 32-weight chunk with one row of xq, in its affine_position order:
-// 8-bit, 8 lanes; 4-bit (a chunk without a pair), 4 lanes in the low half.
-template <int BITS>
+// 8-bit, 8 lanes; 4-bit (a chunk without a pair; FP4: MXFP4), 4 lanes in the low half.
+template <int BITS, bool FP4 = false>
 inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
   const __m256i* x = reinterpret_cast<const __m256i*>(xq);
   if constexpr (BITS == 4) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)), mask = _mm_set1_epi16(0x0f);
+    __m128i q[4] = {_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16(v, 4), mask),
+                    _mm_and_si128(_mm_srli_epi16(v, 8), mask), _mm_srli_epi16(v, 12)};
+    if constexpr (FP4) fp4_nibbles(v, q);
     const __m128i* x4 = reinterpret_cast<const __m128i*>(xq);
-    __m128i sum = _mm_madd_epi16(_mm_and_si128(v, mask), _mm_loadu_si128(x4));
-    sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_loadu_si128(x4 + 1)));
-    sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 8), mask), _mm_loadu_si128(x4 + 2)));
-    sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_srli_epi16(v, 12), _mm_loadu_si128(x4 + 3)));
+    __m128i sum = _mm_madd_epi16(q[0], _mm_loadu_si128(x4));
+    for (int j = 1; j < 4; j++) sum = _mm_add_epi32(sum, _mm_madd_epi16(q[j], _mm_loadu_si128(x4 + j)));
     return _mm256_zextsi128_si256(sum);
   } else {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
@@ -86,15 +112,17 @@ inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
 }
 
 // Chunks c and c + 1 of one weight row against MB rows of xq (row stride K), added to `into`.
-template <int BITS, int MB>
+template <int BITS, int MB, bool FP4 = false>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
                                                      int chunks, int c, __m256* into) {
   constexpr int chunk_bytes = 32 * BITS / 8;
   if constexpr (BITS == 4) {  // both chunks' 32 bytes as 16 lanes of 4 nibbles
     const __m256i mask = _mm256_set1_epi16(0x0f);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
-    const __m256i q0 = _mm256_and_si256(v, mask), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask), q3 = _mm256_srli_epi16(v, 12);
+    __m256i q[4] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                    _mm256_and_si256(_mm256_srli_epi16(v, 8), mask), _mm256_srli_epi16(v, 12)};
+    if constexpr (FP4) fp4_nibbles(v, q);
+    const __m256i q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
     for (int m = 0; m < MB; m++) {
       const __m256i* x = reinterpret_cast<const __m256i*>(xq + static_cast<long>(m) * K + c * 32);
       const float* sx = sxc + m * chunks + c;
@@ -180,7 +208,7 @@ inline void row_scales(const Weights& w, const Acts& a, int n, int m0, float* sx
 
 // The row bodies each ISA's file defines for vector_rows: one affine weight row's products after
 // its prologue (row_scales), and one 16-bit weight row's, against rows [m0, m0 + MB) of x.
-template <int BITS, int MB>
+template <int BITS, int MB, bool FP4 = false>
 void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
                  int m0);
 template <bool BF, int MB>
@@ -197,6 +225,10 @@ void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, f
     case Format::Affine8:
       row_scales<MB>(w, a, n, m0, sx);
       affine_body<8, MB>(w, a, row, sx, y, ldy, n, m0);
+      break;
+    case Format::Mxfp4:
+      row_scales<MB>(w, a, n, m0, sx);
+      affine_body<4, MB, true>(w, a, row, sx, y, ldy, n, m0);
       break;
     case Format::F16:
       half_row<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
@@ -215,10 +247,12 @@ inline void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
   const long per_row = 4l * (w.K / 32) + 8;
   sx.resize(static_cast<size_t>(2 * per_row));
-  if (a.M == 1 && (w.format == Format::Affine4 || w.format == Format::Affine8) && n0 < n1) {
+  if (a.M == 1 && w.format != Format::F16 && w.format != Format::BF16 && n0 < n1) {
     // Decode: the next row's prologue is written before this row's products read theirs, so those
     // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
-    const auto body = w.format == Format::Affine4 ? affine_body<4, 1> : affine_body<8, 1>;
+    const auto body = w.format == Format::Affine4 ? affine_body<4, 1>
+                      : w.format == Format::Mxfp4 ? affine_body<4, 1, true>
+                                                  : affine_body<8, 1>;
     row_scales<1>(w, a, n0, 0, sx.data());
     for (int n = n0; n < n1; n++) {
       if (n + 1 < n1) row_scales<1>(w, a, n + 1, 0, sx.data() + ((n + 1 - n0) & 1) * per_row);
@@ -281,9 +315,9 @@ inline void natural_prepare(const Weights& w, const float* x, int M, int16_t* xq
 template <int STEP>
 void vector_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   static const SpanOrders<STEP> order4(Format::Affine4), order8(Format::Affine8);
-  const SpanOrders<STEP>& order = w.format == Format::Affine4 ? order4 : order8;
+  const SpanOrders<STEP>& order = quant_bits(w.format) == 4 ? order4 : order8;  // MXFP4 as Affine4
   const int K = w.K, groups = K / w.group_size, chunks = K / 32;
-  const int span = STEP * 8 / (32 * (w.format == Format::Affine4 ? 4 : 8));
+  const int span = STEP * 8 / (32 * quant_bits(w.format));
   thread_local std::vector<int16_t> natural;
   natural.resize(static_cast<size_t>(K));
   for (int m = 0; m < M; m++) {

@@ -48,6 +48,16 @@ inline __m512i nibble(__m512i v, __m512i mask) {
 #endif
 }
 
+// avx2_util.h's fp4_nibbles at this width.
+inline void fp4_nibbles(__m512i v, __m512i* q) {
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2)));
+  const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+  const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+  q[0] = _mm512_srai_epi16(_mm512_slli_epi16(lo, 8), 8), q[1] = _mm512_srai_epi16(_mm512_slli_epi16(hi, 8), 8);
+  q[2] = _mm512_srai_epi16(lo, 8), q[3] = _mm512_srai_epi16(hi, 8);
+}
+
 // Scales of the chunks of one step as the lanes of its int32 sums: 4-bit, chunk c + i in lanes
 // 4i .. 4i + 3; 8-bit, chunk c + i in lanes 8i .. 8i + 7.
 template <int BITS>
@@ -63,7 +73,7 @@ inline __m512 step_scales(const float* sx) {
 }
 
 // The step from chunk c of one weight row against MB rows of xq (row stride K), added to `into`.
-template <int BITS, int MB>
+template <int BITS, int MB, bool FP4>
 __attribute__((always_inline)) inline void step_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
                                                      int chunks, int c, __m512* into) {
   const __m512i v = load512(row + c * BITS * 4), zero = _mm512_setzero_si512();
@@ -72,8 +82,13 @@ __attribute__((always_inline)) inline void step_into(const uint8_t* row, const i
   // 1B shape's products at M = 4 took 0.85-0.93x the time with one chain, at M = 1 0.95-1.0x).
   if constexpr (BITS == 4) {
     const __m512i mask = _mm512_set1_epi16(0x0f);
-    const __m512i q0 = _mm512_and_si512(v, mask), q1 = nibble<1>(v, mask);
-    const __m512i q2 = nibble<2>(v, mask), q3 = nibble<3>(v, mask);
+    __m512i q[4];
+    if constexpr (FP4) {
+      fp4_nibbles(v, q);
+    } else {
+      q[0] = _mm512_and_si512(v, mask), q[1] = nibble<1>(v, mask), q[2] = nibble<2>(v, mask), q[3] = nibble<3>(v, mask);
+    }
+    const __m512i q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
     for (int m = 0; m < MB; m++) {
       const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
       __m512i p = _mm512_dpwssd_epi32(zero, q0, load512(x));
@@ -96,7 +111,7 @@ __attribute__((always_inline)) inline void step_into(const uint8_t* row, const i
 // One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations, its
 // prologue (row_scales) in sxc. Steps alternate between two accumulators per row of x, so no FMA
 // waits on its predecessor; the tail goes to a third, in avx2.cpp's 32-byte form.
-template <int BITS, int MB>
+template <int BITS, int MB, bool FP4>
 void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
                  int n, int m0) {
   constexpr int per_step = kStep * 8 / (32 * BITS);  // chunks
@@ -114,24 +129,25 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
     const uint8_t* at = row + s * kStep;
     _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(at + kStep + kPrefetchBytes), _MM_HINT_T0);
-    step_into<BITS, MB>(row, xq, K, sxc, chunks, s * per_step, acc0);
-    step_into<BITS, MB>(row, xq, K, sxc, chunks, (s + 1) * per_step, acc1);
+    step_into<BITS, MB, FP4>(row, xq, K, sxc, chunks, s * per_step, acc0);
+    step_into<BITS, MB, FP4>(row, xq, K, sxc, chunks, (s + 1) * per_step, acc1);
   }
   // The lines the steps above did not reach, up to the row's last byte (as avx2.cpp).
   for (int off = s * kStep; off < row_bytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row + off + kPrefetchBytes), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
-  if (s < steps) step_into<BITS, MB>(row, xq, K, sxc, chunks, s++ * per_step, acc0);
+  if (s < steps) step_into<BITS, MB, FP4>(row, xq, K, sxc, chunks, s++ * per_step, acc0);
   int c = steps * per_step;
   if constexpr (BITS == 4) {
     if (c + 2 <= chunks) {
-      pair_into<4, MB>(row, xq, K, sxc, chunks, c, tail);
+      pair_into<4, MB, FP4>(row, xq, K, sxc, chunks, c, tail);
       c += 2;
     }
   }
   if (c < chunks) {
     for (int m = 0; m < MB; m++) {
-      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS>(row + c * BITS * 4, xq + static_cast<long>(m) * K + c * 32));
+      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
+      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS, FP4>(row + c * BITS * 4, x));
       tail[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sxc + m * chunks + c), tail[m]);
     }
   }

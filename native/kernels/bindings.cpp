@@ -17,13 +17,14 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_kernels, m) {
-  m.doc() = "Shoal's CPU kernels for weights kept as stored (MLX affine 4/8-bit, float16, bfloat16).";
+  m.doc() = "Shoal's CPU kernels for weights kept as stored (MLX affine 4/8-bit, MXFP4, float16, bfloat16).";
   m.def("weight_matmul", &shoal::weight_matmul, "x"_a, "w"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
         "group_size"_a = 64, "bits"_a = 4, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ W.T with W as stored; x float32 [..., K]; returns float32 [..., N].");
+        "x @ W.T with W as stored (uint8 scales: MXFP4); x float32 [..., K]; returns float32 [..., N].");
   m.def("gather_matmul", &shoal::gather_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a.none(), "indices"_a,
         nb::kw_only(), "group_size"_a = 64, "bits"_a = 4, "stream"_a = nb::none(),
-        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine experts; "
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine or MXFP4 "
+        "(uint8 scales) experts; "
         "float32 [batch..., rows, N].");
   m.def("set_blas_library", &shoal::set_blas_library, "path"_a,
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");

@@ -14,7 +14,7 @@ namespace shoal {
 
 namespace {
 
-long scale_bytes(ScaleType t) { return t == ScaleType::F32 ? 4 : 2; }
+long scale_bytes(ScaleType t) { return t == ScaleType::F32 ? 4 : (t == ScaleType::E8M0 ? 1 : 2); }
 
 }  // namespace
 

@@ -8,17 +8,22 @@
 //   Q8_0) have b = -2^(bits-1) s throughout; such weights come without biases (nullptr), which
 //   saves their bytes in memory and in every product (2 of Q4_0's 20 bytes per 32 weights). Scales and biases are float32,
 //   float16 or bfloat16, N x K / group_size.
+// - Mxfp4: OCP MXFP4 as MLX stores it (mode "mxfp4"; gpt-oss, GGUF MXFP4): Affine4's packing of
+//   4-bit E2M1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated), one E8M0 scale byte e per
+//   32 weights (w = E2M1 * 2^(e - 127)), no biases. The kernels read a code as twice its value, an
+//   int8 in [-12, 12] (kE2M1x2), times 2^(e - 128), so it runs Affine4's integer products as stored.
 // - F16 / BF16: plain 16-bit weights.
 //
 // Products are y[m, n] = sum_k x[m, k] * w[n, k] for M rows of x (float32).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace shoal {
 
-enum class Format { Affine4, Affine8, F16, BF16 };
-enum class ScaleType { F32, F16, BF16 };
+enum class Format { Affine4, Affine8, Mxfp4, F16, BF16 };
+enum class ScaleType { F32, F16, BF16, E8M0 };
 
 struct Weights {
   Format format;
@@ -73,10 +78,15 @@ const Kernels* avx512vbmi_kernels();
 // Their `gemm` (gemm_avx512.cpp), or nullptr.
 RowsFn avx512_gemm_kernel();
 
-// The bias of a group with scale s when the weights come without biases (symmetric).
+// Bits per stored weight of a quantized format.
+inline int quant_bits(Format f) { return f == Format::Affine8 ? 8 : 4; }
+// The bias of a group with scale s when the weights come without biases (symmetric; MXFP4: none).
 inline float symmetric_bias(const Weights& w, float s) {
-  return -static_cast<float>(1 << ((w.format == Format::Affine4 ? 4 : 8) - 1)) * s;
+  return w.format == Format::Mxfp4 ? 0.0f : -static_cast<float>(1 << (quant_bits(w.format) - 1)) * s;
 }
+// MXFP4's E2M1 codes as twice their value, and the scale an E8M0 byte e gives them: 2^(e - 128).
+alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_scale(uint8_t e) { return std::ldexp(1.0f, static_cast<int>(e) - 128); }
 // Scales and biases of row n as floats (shared by every kernel).
 void row_scales(const Weights& w, int n, float* scales, float* biases);
 // Where x[k] goes in a row of Acts::xq, for kernels that read `step_bytes` (32: AVX2, 64: AVX-512)

@@ -52,12 +52,13 @@ ScaleType scale_type_of(mx::Dtype dtype) {
   if (dtype == mx::float32) return ScaleType::F32;
   if (dtype == mx::float16) return ScaleType::F16;
   if (dtype == mx::bfloat16) return ScaleType::BF16;
-  throw std::invalid_argument("[shoal_matmul] scales and biases must be float32, float16 or bfloat16");
+  if (dtype == mx::uint8) return ScaleType::E8M0;
+  throw std::invalid_argument("[shoal_matmul] scales and biases must be float32, float16 or bfloat16 (uint8: MXFP4)");
 }
 
-bool is_affine(Format f) { return f == Format::Affine4 || f == Format::Affine8; }
+bool is_affine(Format f) { return f != Format::F16 && f != Format::BF16; }  // or MXFP4: quantized in groups
 
-int bits_of(Format f) { return f == Format::Affine4 ? 4 : (f == Format::Affine8 ? 8 : 16); }
+int bits_of(Format f) { return is_affine(f) ? quant_bits(f) : 16; }
 
 // Rows of output per task: a multiple of 8 (a cache line of y per row of x), at least 16.
 int task_rows(int N, int threads) {
@@ -181,7 +182,7 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
 
 void product(const Weights& w, const float* x, int M, float* y) {
   const Kernels& k = active_kernels();
-  if (M > kMaxRows && k.gemm && is_affine(w.format)) {
+  if (M > kMaxRows && k.gemm && is_affine(w.format) && w.format != Format::Mxfp4) {
     gemm_product(k, w, x, M, y);
   } else if (M > kMaxRows && sgemm) {
     tiled_product(w, x, M, y);
@@ -217,7 +218,11 @@ WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scale
     if (scales->shape() != mx::Shape{N, groups} ||
         (biases && (biases->shape() != scales->shape() || biases->dtype() != scales->dtype())))
       throw std::invalid_argument("[shoal_matmul] scales and biases must both be [N, K / group_size], one dtype");
-    scale_type_of(scales->dtype());
+    if (scale_type_of(scales->dtype()) == ScaleType::E8M0) {  // MXFP4: E8M0 scales, 32 a group, no biases
+      if (format != Format::Affine4 || group_size != 32 || biases)
+        throw std::invalid_argument("[shoal_matmul] uint8 (E8M0) scales are MXFP4's: 4 bits, group size 32, no biases");
+      format = Format::Mxfp4;
+    }
   } else if (K % 8 != 0) {
     throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
   }

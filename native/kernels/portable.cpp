@@ -49,6 +49,8 @@ float scale_at(const void* p, ScaleType t, long i) {
       return half_to_float(static_cast<const uint16_t*>(p)[i]);
     case ScaleType::BF16:
       return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ScaleType::E8M0:
+      return e8m0_scale(static_cast<const uint8_t*>(p)[i]);
   }
   return 0.0f;
 }
@@ -62,6 +64,8 @@ inline float weight_at(const Weights& w, const uint8_t* row, const float* s, con
     }
     case Format::Affine8:
       return s[k / w.group_size] * row[k] + b[k / w.group_size];
+    case Format::Mxfp4:
+      return s[k / 32] * kE2M1x2[(row[k / 2] >> ((k & 1) * 4)) & 0x0f];
     case Format::F16:
       return half_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
     case Format::BF16:
@@ -70,7 +74,7 @@ inline float weight_at(const Weights& w, const uint8_t* row, const float* s, con
   return 0.0f;
 }
 
-bool is_affine(const Weights& w) { return w.format == Format::Affine4 || w.format == Format::Affine8; }
+bool is_affine(const Weights& w) { return w.format != Format::F16 && w.format != Format::BF16; }  // or MXFP4
 
 void portable_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
   int groups = is_affine(w) ? w.K / w.group_size : 0;
@@ -101,7 +105,7 @@ void portable_dequant(const Weights& w, int n0, int n1, float* out) {
 }  // namespace
 
 int affine_position(int k, int K, Format format, int step_bytes) {
-  const int bits = format == Format::Affine4 ? 4 : 8, span = step_bytes * 8 / (32 * bits), chunks = K / 32;
+  const int bits = quant_bits(format), span = step_bytes * 8 / (32 * bits), chunks = K / 32;
   const int chunk = k / 32, full = chunks / span * span;
   int first = chunk / span * span, size = span;  // the span holding k: its first chunk and size
   if (chunk >= full) {  // the rest (fewer than a span) as spans of half a span, a quarter, ..., 1

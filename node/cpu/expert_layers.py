@@ -7,7 +7,8 @@ this the weight policy dequantizes every expert to float32 (several times the st
 `node.native._kernels.gather_matmul`: each token's rows times only its chosen experts' stored
 rows, on all cores; `SwitchGLU` around it sorts many tokens by expert as before. Symmetric
 experts (bias -2^(bits-1) x scale in every group) drop `biases`, as the dense layers do.
-MXFP4 experts (gpt_oss) are not taken yet: they still go to float32.
+MXFP4 experts (mode "mxfp4": gpt_oss folders, GGUF MXFP4 imports; E2M1 codes, an E8M0 scale byte per
+32, no biases) run as stored too: the kernels know them by their uint8 scales.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from node.cpu.kernel_layers import SUPPORTED_BITS, SUPPORTED_GROUPS, _KernelLayer
+from node.cpu.kernel_layers import SUPPORTED_BITS, SUPPORTED_GROUPS, _KernelLayer, is_mxfp4
 
 
 def is_supported_switch(module: Any) -> bool:
@@ -26,10 +27,13 @@ def is_supported_switch(module: Any) -> bool:
         from mlx_lm.models.switch_layers import QuantizedSwitchLinear
     except ImportError:
         return False
+    if not isinstance(module, QuantizedSwitchLinear) or getattr(module, "global_scale", None) is not None:
+        return False
+    mode = getattr(module, "mode", "affine")
+    if mode == "mxfp4":
+        return is_mxfp4(module)
     return (
-        isinstance(module, QuantizedSwitchLinear)
-        and getattr(module, "mode", "affine") == "affine"
-        and getattr(module, "global_scale", None) is None
+        mode == "affine"
         and module.bits in SUPPORTED_BITS
         and module.group_size in SUPPORTED_GROUPS
         and module.get("biases") is not None

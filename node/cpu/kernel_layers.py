@@ -5,7 +5,8 @@ Qwen3-0.6B shape decodes at ~0.3 tok/s here), so on the CPU each supported layer
 an equivalent one whose product is `node.native._kernels.weight_matmul` (an MLX primitive:
 lazy, on MLX's CPU stream, all cores):
 
-- `nn.QuantizedLinear` (affine, 4 or 8 bits, groups of 32/64/128) -> `KernelQuantizedLinear`
+- `nn.QuantizedLinear` (affine, 4 or 8 bits, groups of 32/64/128;
+  or MXFP4, known to the kernels by its uint8 E8M0 scales)         -> `KernelQuantizedLinear`
 - `nn.QuantizedEmbedding` (same)                                  -> `KernelQuantizedEmbedding`
 - `nn.Linear` / `nn.Embedding` with float16 or bfloat16 weights   -> `KernelHalfLinear` / `...Embedding`
 
@@ -33,13 +34,21 @@ HALF_DTYPES = (mx.float16, mx.bfloat16)
 
 def is_supported_quantized(module: Any) -> bool:
     """Whether the kernels hold this quantized layer as stored."""
+    if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        return False
+    if getattr(module, "mode", "affine") == "mxfp4":
+        return is_mxfp4(module)
     return (
-        isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
-        and getattr(module, "mode", "affine") == "affine"
+        getattr(module, "mode", "affine") == "affine"
         and module.bits in SUPPORTED_BITS
         and module.group_size in SUPPORTED_GROUPS
         and getattr(module, "biases", None) is not None
     )
+
+
+def is_mxfp4(module: Any) -> bool:
+    """MXFP4 as the kernels read it: 4-bit E2M1 codes, one uint8 E8M0 scale per 32, no biases."""
+    return module.bits == 4 and module.group_size == 32 and module["scales"].dtype == mx.uint8
 
 
 def is_half_dense(module: Any) -> bool:
@@ -66,7 +75,10 @@ class _KernelLayer(nn.Module):
         self._kernels = kernels
         self.group_size = group_size
         self.bits = bits
-        self.symmetric = bits < 16 and is_symmetric(source["scales"], source["biases"], bits)
+        # No biases at all (MXFP4: E8M0 scales) reads as symmetric: the kernels derive what they need.
+        self.symmetric = bits < 16 and (
+            source.get("biases") is None or is_symmetric(source["scales"], source["biases"], bits)
+        )
         for key in ("weight", "scales", "biases", "bias"):
             if key in source and not (key == "biases" and self.symmetric):
                 setattr(self, key, source[key])
@@ -98,6 +110,9 @@ class KernelQuantizedEmbedding(_KernelLayer):
     def __call__(self, ids: mx.array) -> mx.array:
         # float32 scales first: mx.dequantize computes in their dtype, and bf16 rows would round
         # every embedding (greedy text then differs from the float32 weights at near-ties).
+        if self.scales.dtype == mx.uint8:  # MXFP4
+            rows = mx.dequantize(self.weight[ids], self.scales[ids], group_size=32, bits=4, mode="mxfp4")
+            return rows.astype(mx.float32)
         scales = self.scales[ids].astype(mx.float32)
         stored = self._biases()
         biases = scales * -(2 ** (self.bits - 1)) if stored is None else stored[ids].astype(mx.float32)

@@ -249,7 +249,8 @@ def _runtime_bytes(
     if module_spec is None:
         raise ModelShapeError(f"tensor {name!r} is quantized but config.json gives no quantization bits")
     module_bits, mode = module_spec
-    if kernels and module_bits in KERNEL_BITS and mode == "affine":  # MXFP4 is dequantized at load
+    on_kernels = (module_bits in KERNEL_BITS and mode == "affine") or (module_bits == 4 and mode == "mxfp4")
+    if kernels and on_kernels:
         return stored
     if kind != "weight":
         return 0  # folded into the dense weight
