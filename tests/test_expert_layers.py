@@ -133,3 +133,41 @@ def test_mxfp4_experts_stay_as_stored_and_give_the_float32_text(
     for prompt in (list(range(300, 340)), [1000]):
         want = _greedy_tokens(reference[0], reference[1], prompt)
         assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama"])
+def test_gpt_oss_mxfp4_experts_and_an_all_mxfp4_llama_give_the_float32_text(
+    builtin_model_dir: Path, tmp_path: Path, family: str
+) -> None:
+    """gpt_oss: MXFP4 experts with their biases, the rest 4-bit affine. llama: every layer MXFP4,
+    embedding and head included, through the fused decoder layers."""
+    from mlx_lm.utils import load, quantize_model
+
+    from tests.family_models import make_family_model
+    from tests.model_factory import make_random_model
+
+    if family == "gpt_oss":
+        source = make_family_model(
+            tmp_path / "src", "gpt_oss", tokenizer_from=builtin_model_dir, num_layers=2
+        )
+    else:
+        source = make_random_model(tmp_path / "src", tokenizer_from=builtin_model_dir)
+    loaded_source: Any = load(str(source), return_config=True)
+    model, _, config = loaded_source
+    mxfp4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+    def predicate(path: str, _module: Any) -> bool | dict[str, Any]:
+        return mxfp4 if family == "llama" or "experts" in path else True
+
+    model, config = quantize_model(model, config, 32, 4, quant_predicate=predicate)
+    folder = write_model_folder(
+        tmp_path / "q", dict(_params(model)), config, tokenizer_from=builtin_model_dir
+    )
+    kept, reference = load(str(folder), lazy=True), load(str(folder), lazy=True)
+    decision = apply_dtype_policy(kept[0])
+    assert "kept as stored" in decision.message and "dequantized" not in decision.message
+    assert apply_dtype_policy(
+        reference[0], kernels=KernelLoad(None, "kernels left out by the test")
+    ).converted
+    for prompt in (list(range(300, 340)), [1000]):
+        assert _greedy_tokens(kept[0], kept[1], prompt) == _greedy_tokens(reference[0], reference[1], prompt)
