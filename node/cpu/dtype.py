@@ -3,10 +3,11 @@
 On the CPU, MLX's own bfloat16, float16 and quantized kernels are single-threaded and scalar
 (a 4-bit Qwen3-0.6B shape decodes at ~0.3 tok/s here). So:
 
-1. With the native kernels (`node.native`, built at install), affine 4/8-bit layers and 16-bit
-   Linear/Embedding layers stay as stored and multiply on the kernels (`node.cpu.kernel_layers`):
-   memory is the stored size and decode reads the stored bytes; so do affine 4/8-bit experts
-   (`node.cpu.expert_layers`). What the kernels cannot hold (other bit widths, MXFP4 experts) is
+1. With the native kernels (`node.native`, built at install), affine 4/8-bit and MXFP4 layers
+   and 16-bit Linear/Embedding layers stay as stored and multiply on the kernels
+   (`node.cpu.kernel_layers`): memory is the stored size and decode reads the stored bytes; so do
+   affine 4/8-bit and MXFP4 experts (`node.cpu.expert_layers`). What the kernels cannot hold
+   (other bit widths, nvfp4/mxfp8, experts with a global scale) is
    dequantized to float32 when memory allows, and small float parameters (norms, biases) become
    float32, the activations' dtype.
 2. Without them (not built, `--no-fast-path`, SHOAL_KERNELS=0), as before: bf16/fp16 parameters
