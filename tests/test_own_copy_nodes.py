@@ -126,6 +126,12 @@ def hiding(tmp_path: Path, builtin_model_dir: Path) -> Iterator[tuple[list[Runni
     yield from ((nodes, model) for nodes in cluster)
 
 
+def _unobtainable(reason: str) -> bool:
+    """The new host found no live holder, or its fetch from A (dead, not yet known to be) failed:
+    either way no live node holds the files, so the error is final (timing decides which)."""
+    return "no peer holds" in reason or "tries failed" in reason
+
+
 @pytest.mark.skipif(not can_hide_folders(), reason="needs mount namespaces (unshare -m, as root)")
 def test_a_model_no_node_can_get_fails_at_once(hiding: tuple[list[RunningNode], Path]) -> None:
     """With A dead, no node holds A's model, it has no hub repo, and B and C have no copy of their
@@ -135,7 +141,7 @@ def test_a_model_no_node_can_get_fails_at_once(hiding: tuple[list[RunningNode], 
     long = {**STORY, "max_tokens": 600}  # the random model writes ~100 tok/s
     cut, seconds = _kill_mid_stream(a, b, instance["model"], long)
     assert cut.done and [e["code"] for e in cut.errors] == [FILES_UNAVAILABLE], cut.errors
-    assert "no peer holds the files" in cut.errors[0]["message"], cut.errors
+    assert _unobtainable(cut.errors[0]["message"]), cut.errors
     assert seconds < 30, f"the error came {seconds:.1f} s after the kill"
     print(f"\nkill -9 of the sole holder -> the stream's error: {seconds:.1f} s")
 
@@ -144,4 +150,4 @@ def test_a_model_no_node_can_get_fails_at_once(hiding: tuple[list[RunningNode], 
         return view if view["state"] == "failed" else {}
 
     shown = wait_until(failed, 10, "the instance shown failed")
-    assert "no peer holds the files" in shown["error"] and shown["stages"][0]["node_id"] != a.node_id
+    assert _unobtainable(shown["error"]) and shown["stages"][0]["node_id"] != a.node_id
