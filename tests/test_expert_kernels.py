@@ -3,9 +3,6 @@ float32 matmuls, one chosen expert at a time."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import ModuleType
 from typing import cast
 
@@ -13,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from node.native import load_kernels
+from tests.isa_children import CAPS, capped_env, run_capped
 
 KERNELS = load_kernels().module
 pytestmark = pytest.mark.skipif(
@@ -119,27 +117,8 @@ def test_an_index_outside_the_experts_gives_zeros_and_bad_arguments_are_clear() 
         k.gather_matmul(mx.zeros((1, 1, 64)), wq, scales, biases, mx.array([0.0]), group_size=32, bits=4)
 
 
-NARROWER = {
-    "avx512vbmi": ("avx512", "avx2", "portable"),
-    "avx512": ("avx2", "portable"),
-    "avx2": ("portable",),
-}
-"""The instruction sets below each one: the CPU has them too, and SHOAL_KERNEL_ISA selects them."""
-
-
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa", CAPS)
 def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
     """As tests/test_kernels.py does for the dense products: a child runs this file's product tests
     with SHOAL_KERNEL_ISA capping the kernels."""
-    active = _kernels().kernel_name()
-    if isa not in NARROWER.get(active, ()):
-        pytest.skip(f"the CPU's widest kernels are {active}: this process tested them")
-    env = {**os.environ, "SHOAL_KERNEL_ISA": isa}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    run_capped(__file__, capped_env(_kernels().kernel_name(), isa), "match")

@@ -15,6 +15,7 @@ import pytest
 
 import node.native as native
 from node.native import load_kernels
+from tests.isa_children import CAPS, capped_env, run_capped
 
 KERNELS = load_kernels().module
 pytestmark = pytest.mark.skipif(
@@ -110,23 +111,11 @@ def test_bad_arguments_are_clear_errors() -> None:
         k.weight_matmul(mx.zeros((1, 64)), mx.zeros((16, 64)))
 
 
-NARROWER = {
-    "avx512vbmi": ("avx512", "avx2", "portable"),
-    "avx512": ("avx2", "portable"),
-    "avx2": ("portable",),
-    "portable": (),
-}
-"""The instruction sets below each one: the CPU has them too, and SHOAL_KERNEL_ISA selects them."""
-
-
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa", CAPS)
 def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
     """This process runs the widest kernels the CPU has; a child runs this file's product tests
     with SHOAL_KERNEL_ISA capping them, so every kernel set the machine can run is checked."""
-    active = _kernels().kernel_name()
-    if isa not in NARROWER[active]:
-        pytest.skip(f"the CPU's widest kernels are {active}: this process tested them")
-    env = {**os.environ, "SHOAL_KERNEL_ISA": isa}
+    env = capped_env(_kernels().kernel_name(), isa)
     reason = subprocess.run(
         [sys.executable, "-c", "from node.native import load_kernels; print(load_kernels().reason)"],
         env=env,
@@ -135,15 +124,7 @@ def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
         timeout=120,
     )
     assert reason.stdout.startswith(f"{isa} kernels"), reason
-    tests = "products or bits or strided"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    run_capped(__file__, env, "products or bits or strided")
 
 
 _PRODUCTS = """

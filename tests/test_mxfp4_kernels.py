@@ -4,9 +4,6 @@ stores them) against a plain numpy E2M1 table and against mx.dequantize + float3
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import ModuleType
 from typing import cast
 
@@ -15,7 +12,8 @@ import numpy as np
 import pytest
 
 from node.native import load_kernels
-from tests.test_expert_kernels import NARROWER, TOKENS
+from tests.isa_children import CAPS, capped_env, run_capped
+from tests.test_expert_kernels import TOKENS
 
 KERNELS = load_kernels().module
 pytestmark = pytest.mark.skipif(
@@ -121,18 +119,8 @@ def test_mxfp4_arguments_the_kernels_refuse_are_clear() -> None:
         _kernels().weight_matmul(mx.zeros((1, K)), w, s[:, : K // 64], None, group_size=64, bits=4)
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa", CAPS)
 def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
-    """A child runs this file's product tests with SHOAL_KERNEL_ISA capping the kernels."""
-    active = _kernels().kernel_name()
-    if isa not in NARROWER.get(active, ()):
-        pytest.skip(f"the CPU's widest kernels are {active}: this process tested them")
-    env = {**os.environ, "SHOAL_KERNEL_ISA": isa}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    """As tests/test_kernels.py does for the dense products: a child runs this file's product tests
+    with SHOAL_KERNEL_ISA capping the kernels."""
+    run_capped(__file__, capped_env(_kernels().kernel_name(), isa), "match")
