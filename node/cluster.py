@@ -341,7 +341,7 @@ class ClusterService:
 
     def alive_memory(self) -> dict[NodeId, int]:
         """Available memory of every node alive now (this one included), from their profiles."""
-        alive = {node for node, m in self.view.members.items() if m.status is Status.ALIVE} | {self.me}
+        alive = self.view.alive() | {self.me}
         return {node: p.memory_available for node, p in self.state.profiles().items() if node in alive}
 
     # --- what the API shows ------------------------------------------------------------------

@@ -100,8 +100,7 @@ def live_members(cluster: FilesCluster) -> set[str]:
 
 def alive_nodes(cluster: ClusterReader) -> set[NodeId]:
     """The members alive now, this node included: who can send files (a suspect may be gone)."""
-    alive = {n for n, m in cluster.view.members.items() if m.status is Status.ALIVE}
-    return alive | {cluster.me}
+    return set(cluster.view.alive()) | {cluster.me}
 
 
 def files_unavailable(cluster: ClusterReader, model: str) -> str | None:
@@ -155,8 +154,10 @@ def placeable(models: Iterable[LocalModel], data_dir: Path) -> list[LocalModel]:
             return None
         return dataclasses.replace(model, name=read[1] or model.name) if whole and read else None
 
-    found = [m for m in map(named, models) if m is not None]
-    return [m for i, m in enumerate(found) if m.name not in {f.name for f in found[:i]}]
+    unique: dict[str, LocalModel] = {}
+    for model in filter(None, map(named, models)):
+        unique.setdefault(model.name, model)
+    return list(unique.values())
 
 
 class ClusterFiles:

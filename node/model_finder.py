@@ -38,7 +38,6 @@ from protocol.control_wire import (
 )
 from protocol.ids import ModelId, NodeId
 from protocol.manifest import Manifest
-from protocol.membership import Status
 from protocol.model_names import holders_named
 from protocol.placement import ModelShape
 
@@ -98,7 +97,7 @@ class ModelFinder:
         if (own := await self._own(name)) is not None:
             return own
         state, me = self._cluster.state, self._cluster.me
-        live = {n for n, m in self._cluster.view.members.items() if m.status is Status.ALIVE}
+        live = self._cluster.view.alive()
         holders = holders_named(name, state.holdings(), live, me)
         others = sorted(live - set(holders) - {me})
         for peer in [*holders, *others][:MAX_ASKED]:

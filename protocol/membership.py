@@ -128,6 +128,10 @@ class View:
         """Peers alive or suspected: the membership the election runs on (add yourself)."""
         return frozenset(node for node, m in self.members.items() if m.status in LIVE)
 
+    def alive(self) -> frozenset[NodeId]:
+        """Peers alive, not merely suspected: who can send files or take a placement now."""
+        return frozenset(node for node, m in self.members.items() if m.status is Status.ALIVE)
+
     def suspects(self) -> tuple[Suspicion, ...]:
         """Peers suspected now, to publish in this node's next heartbeat."""
         return tuple(
