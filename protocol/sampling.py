@@ -73,7 +73,7 @@ penalty: llama.cpp's default is 1.0 (off) too."""
 GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
 """Argmax decoding: what the pipeline driver does when it is given no sampling settings."""
 
-_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_DEFAULTED = tuple(SamplingDefaults.model_fields)
 """The fields a model or the server may default, in `Sampling`'s order."""
 
 

@@ -91,14 +91,14 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
 
 void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   const int K = w.K;
-  const bool affine = w.format != Format::F16 && w.format != Format::BF16;  // or MXFP4
-  const int groups = affine ? K / w.group_size : 0;
+  const bool grouped = is_grouped(w.format);
+  const int groups = grouped ? K / w.group_size : 0;
   const float z = symmetric_bias(w, 1.0f);
   const __m128i mask = _mm_set1_epi8(0x0f);
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
     float* o = out + static_cast<long>(n - n0) * K;
-    if (!affine) {
+    if (!grouped) {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
       for (int k = 0; k < K; k += 8) {  // K is a multiple of 8 (checked by the caller)
         __m256 v = w.format == Format::BF16 ? load_bf16x8(h + k)

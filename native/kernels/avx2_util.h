@@ -247,7 +247,7 @@ inline void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
   const long per_row = 4l * (w.K / 32) + 8;
   sx.resize(static_cast<size_t>(2 * per_row));
-  if (a.M == 1 && w.format != Format::F16 && w.format != Format::BF16 && n0 < n1) {
+  if (a.M == 1 && is_grouped(w.format) && n0 < n1) {
     // Decode: the next row's prologue is written before this row's products read theirs, so those
     // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
     const auto body = w.format == Format::Affine4 ? affine_body<4, 1>

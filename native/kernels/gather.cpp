@@ -12,12 +12,6 @@
 
 namespace shoal {
 
-namespace {
-
-long scale_bytes(ScaleType t) { return t == ScaleType::F32 ? 4 : (t == ScaleType::E8M0 ? 1 : 2); }
-
-}  // namespace
-
 Weights Experts::at(int e) const {
   Weights w = first;
   w.data += e * data_stride;
@@ -71,18 +65,20 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
                   xblock * sizeof(float));
     at += static_cast<long>(g.end - g.begin) * R;
   }
-  // Small groups: one pool job for all of them; large ones: the dense product per expert.
-  std::vector<PreparedActs> prepared;
-  std::vector<Acts> acts;
-  prepared.reserve(groups.size());
-  acts.reserve(groups.size());
-  std::vector<RowsJob> jobs;
+  // Small groups: one pool job for all of them; large ones: the dense product per expert. The
+  // prepared activations' buffers are kept across calls (a decode step calls this every MoE layer).
+  thread_local std::vector<PreparedActs> prepared;
+  thread_local std::vector<Acts> acts;
+  thread_local std::vector<RowsJob> jobs;
+  if (prepared.size() < groups.size()) prepared.resize(groups.size());
+  acts.resize(groups.size());  // sized first: jobs point into it
+  jobs.clear();
   for (const Group& g : groups) {
     const int rows = (g.end - g.begin) * R;
     if (rows <= kMaxRows) {
-      prepared.emplace_back();
-      acts.push_back(prepared.back().prepare(g.w, g.x, rows));
-      jobs.push_back({&g.w, &acts.back(), g.y});
+      const size_t i = jobs.size();
+      acts[i] = prepared[i].prepare(g.w, g.x, rows);
+      jobs.push_back({&g.w, &acts[i], g.y});
     }
   }
   if (!jobs.empty()) run_rows(jobs.data(), jobs.size());
@@ -142,8 +138,9 @@ void GatherMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   const int P = static_cast<int>(indices.size());
   const Weights first =
       weights_of({format_, group_size_, N, K}, w, &scales, inputs.size() > 4 ? &inputs[4] : nullptr);
-  const Experts experts{first, first.row_bytes * N, static_cast<long>(N) * (K / group_size_) *
-                                                        scale_bytes(first.scale_type), E};
+  // Row-contiguous (checked by weights_of): an expert's bytes are its stride along the first axis.
+  const Experts experts{first, static_cast<long>(w.strides(0) * w.itemsize()),
+                        static_cast<long>(scales.strides(0) * scales.itemsize()), E};
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);

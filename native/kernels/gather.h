@@ -1,4 +1,4 @@
-// `gather_matmul`: the CPU side of MLX's `gather_qmm` for affine 4/8-bit experts (transpose=True,
+// `gather_matmul`: the CPU side of MLX's `gather_qmm` for affine 4/8-bit and MXFP4 experts (transpose=True,
 // as mlx-lm's QuantizedSwitchLinear calls it): each batch element's rows of x times the weights of
 // the expert its index names, reading only the chosen experts' rows, on the pool.
 #pragma once

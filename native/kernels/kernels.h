@@ -78,6 +78,8 @@ const Kernels* avx512vbmi_kernels();
 // Their `gemm` (gemm_avx512.cpp), or nullptr.
 RowsFn avx512_gemm_kernel();
 
+// Whether a format is quantized in groups with per-group scales (affine 4/8-bit, MXFP4), not 16-bit.
+inline bool is_grouped(Format f) { return f != Format::F16 && f != Format::BF16; }
 // Bits per stored weight of a quantized format.
 inline int quant_bits(Format f) { return f == Format::Affine8 ? 8 : 4; }
 // The bias of a group with scale s when the weights come without biases (symmetric; MXFP4: none).

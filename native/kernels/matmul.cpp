@@ -56,9 +56,7 @@ ScaleType scale_type_of(mx::Dtype dtype) {
   throw std::invalid_argument("[shoal_matmul] scales and biases must be float32, float16 or bfloat16 (uint8: MXFP4)");
 }
 
-bool is_affine(Format f) { return f != Format::F16 && f != Format::BF16; }  // or MXFP4: quantized in groups
-
-int bits_of(Format f) { return is_affine(f) ? quant_bits(f) : 16; }
+int bits_of(Format f) { return is_grouped(f) ? quant_bits(f) : 16; }
 
 // Rows of output per task: a multiple of 8 (a cache line of y per row of x), at least 16.
 int task_rows(int N, int threads) {
@@ -73,7 +71,8 @@ int task_rows(int N, int threads) {
 void small_products(const Output* outs, size_t count, const float* x, int M) {
   const Weights& w = *outs[0].w;
   thread_local PreparedActs prepared;
-  std::vector<RowsJob> jobs(count);
+  thread_local std::vector<RowsJob> jobs;
+  jobs.resize(count);
   for (int m0 = 0; m0 < M; m0 += kMaxRows) {
     const int block = std::min(kMaxRows, M - m0);
     const Acts a = prepared.prepare(w, x + static_cast<long>(m0) * w.K, block);
@@ -125,7 +124,7 @@ void gemm_product(const Kernels& k, const Weights& w, const float* x, int M, flo
 }  // namespace
 
 Acts PreparedActs::prepare(const Weights& w, const float* x, int M) {
-  const int groups = is_affine(w.format) ? w.K / w.group_size : 0;
+  const int groups = is_grouped(w.format) ? w.K / w.group_size : 0;
   Acts a{M, w.K, groups, x, nullptr, nullptr, nullptr};
   if (groups) {
     xq.resize(static_cast<size_t>(M) * w.K);
@@ -182,7 +181,7 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
 
 void product(const Weights& w, const float* x, int M, float* y) {
   const Kernels& k = active_kernels();
-  if (M > kMaxRows && k.gemm && is_affine(w.format) && w.format != Format::Mxfp4) {
+  if (M > kMaxRows && k.gemm && is_grouped(w.format) && w.format != Format::Mxfp4) {
     gemm_product(k, w, x, M, y);
   } else if (M > kMaxRows && sgemm) {
     tiled_product(w, x, M, y);
@@ -209,8 +208,8 @@ WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scale
   Format format = format_of(w.dtype(), bits);
   if (w.ndim() != 2) throw std::invalid_argument("[shoal_matmul] w must be 2-D");
   const int N = w.shape(0);
-  const int K = is_affine(format) ? w.shape(1) * 32 / bits : w.shape(1);
-  if (is_affine(format)) {
+  const int K = is_grouped(format) ? w.shape(1) * 32 / bits : w.shape(1);
+  if (is_grouped(format)) {
     if (!scales) throw std::invalid_argument("[shoal_matmul] affine weights need scales");
     if (group_size != 32 && group_size != 64 && group_size != 128)
       throw std::invalid_argument("[shoal_matmul] group size must be 32, 64 or 128");
@@ -226,7 +225,7 @@ WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scale
   } else if (K % 8 != 0) {
     throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
   }
-  return {format, is_affine(format) ? group_size : 0, N, K};
+  return {format, is_grouped(format) ? group_size : 0, N, K};
 }
 
 Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* scales, const mx::array* biases) {
@@ -235,7 +234,7 @@ Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* 
       throw std::invalid_argument("[shoal_matmul] weights, scales and biases must be row-contiguous");
   Weights weights{spec.format, w.data<uint8_t>(), static_cast<long>(spec.K) * bits_of(spec.format) / 8,
                   nullptr, nullptr, ScaleType::F32, spec.group_size, spec.N, spec.K};
-  if (is_affine(spec.format)) {
+  if (is_grouped(spec.format)) {
     weights.scales = scales->data<void>();
     weights.biases = biases ? biases->data<void>() : nullptr;
     weights.scale_type = scale_type_of(scales->dtype());
@@ -295,7 +294,7 @@ mx::array weight_matmul(const mx::array& x, const mx::array& w, const std::optio
     throw std::invalid_argument("[shoal_matmul] x has " + std::to_string(x.shape(-1)) + " features, w " +
                                 std::to_string(spec.K));
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s), w};
-  if (is_affine(spec.format)) {
+  if (is_grouped(spec.format)) {
     inputs.push_back(*scales);
     if (biases) inputs.push_back(*biases);  // none: symmetric, b = -2^(bits-1) s
   }
@@ -311,9 +310,9 @@ void WeightMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const int N = w.shape(0), K = x.shape(-1), M = static_cast<int>(x.size() / K);
-  const bool affine = is_affine(format_);
-  const Weights weights = weights_of({format_, group_size_, N, K}, w, affine ? &inputs[2] : nullptr,
-                                     affine && inputs.size() > 3 ? &inputs[3] : nullptr);
+  const bool grouped = is_grouped(format_);
+  const Weights weights = weights_of({format_, group_size_, N, K}, w, grouped ? &inputs[2] : nullptr,
+                                     grouped && inputs.size() > 3 ? &inputs[3] : nullptr);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);

@@ -1,4 +1,4 @@
-// `shoal_matmul`: x @ W.T for weights kept as stored (MLX affine 4/8-bit, float16, bfloat16), as a
+// `shoal_matmul`: x @ W.T for weights kept as stored (MLX affine 4/8-bit, MXFP4, float16, bfloat16), as a
 // real MLX operation (a Primitive evaluated on the CPU stream, lazy like any other op).
 #pragma once
 

@@ -74,10 +74,9 @@ inline float weight_at(const Weights& w, const uint8_t* row, const float* s, con
   return 0.0f;
 }
 
-bool is_affine(const Weights& w) { return w.format != Format::F16 && w.format != Format::BF16; }  // or MXFP4
 
 void portable_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
-  int groups = is_affine(w) ? w.K / w.group_size : 0;
+  int groups = is_grouped(w.format) ? w.K / w.group_size : 0;
   std::vector<float> s(groups), b(groups);
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
@@ -92,7 +91,7 @@ void portable_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, 
 }
 
 void portable_dequant(const Weights& w, int n0, int n1, float* out) {
-  int groups = is_affine(w) ? w.K / w.group_size : 0;
+  int groups = is_grouped(w.format) ? w.K / w.group_size : 0;
   std::vector<float> s(groups), b(groups);
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;

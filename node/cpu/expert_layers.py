@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from node.cpu.kernel_layers import SUPPORTED_BITS, SUPPORTED_GROUPS, _KernelLayer, is_mxfp4
+from node.cpu.kernel_layers import _KernelLayer, readable_quantization
 
 
 def is_supported_switch(module: Any) -> bool:
@@ -29,15 +29,7 @@ def is_supported_switch(module: Any) -> bool:
         return False
     if not isinstance(module, QuantizedSwitchLinear) or getattr(module, "global_scale", None) is not None:
         return False
-    mode = getattr(module, "mode", "affine")
-    if mode == "mxfp4":
-        return is_mxfp4(module)
-    return (
-        mode == "affine"
-        and module.bits in SUPPORTED_BITS
-        and module.group_size in SUPPORTED_GROUPS
-        and module.get("biases") is not None
-    )
+    return readable_quantization(module)
 
 
 class KernelSwitchLinear(_KernelLayer):

@@ -34,12 +34,17 @@ HALF_DTYPES = (mx.float16, mx.bfloat16)
 
 def is_supported_quantized(module: Any) -> bool:
     """Whether the kernels hold this quantized layer as stored."""
-    if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
-        return False
-    if getattr(module, "mode", "affine") == "mxfp4":
+    return isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and readable_quantization(module)
+
+
+def readable_quantization(module: Any) -> bool:
+    """Whether the kernels read a quantized layer's format (dense or experts): affine 4/8-bit in
+    groups of 32/64/128 with biases, or MXFP4."""
+    mode = getattr(module, "mode", "affine")
+    if mode == "mxfp4":
         return is_mxfp4(module)
     return (
-        getattr(module, "mode", "affine") == "affine"
+        mode == "affine"
         and module.bits in SUPPORTED_BITS
         and module.group_size in SUPPORTED_GROUPS
         and getattr(module, "biases", None) is not None

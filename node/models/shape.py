@@ -66,7 +66,8 @@ FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 HALF_DTYPES = frozenset({"F16", "BF16"})
 KERNEL_BITS = frozenset({4, 8})
 """What the CPU kernels keep as stored (node.cpu.kernel_layers): 16-bit matrices, affine 4/8-bit
-layers (experts too); other modes (MXFP4) are dequantized to float32 at load, and counted so."""
+and MXFP4 layers (experts too); other modes (nvfp4 ...) are dequantized to float32 at load, and
+counted so."""
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 UNSPLITTABLE = {
