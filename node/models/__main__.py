@@ -1,5 +1,5 @@
-"""`python -m node.models [DATA_DIR]`: import the built-in model from its GGUF (`shoal prepare`
-also fetches the file when it is missing)."""
+"""`python -m node.models [DATA_DIR]`: get the built-in model's GGUF (downloaded when missing) and
+import it, as `shoal prepare` does without the harmony vocab."""
 
 import sys
 

