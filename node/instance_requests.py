@@ -119,7 +119,15 @@ class InstanceRequests:
         any other name (one the cluster shows, a repo id) from the node that holds it under that
         name (`node.model_finder`), else resolved here (a repo id is downloaded). Raises
         `ValueError` (the model does not resolve) or `OSError` (its files are unreadable)."""
-        asked = self.finder is not None and not await self.finder.resolves_here(source)
+        return await self._read_model(source, preview=preview, asked=not await self._resolves_here(source))
+
+    async def _resolves_here(self, source: str) -> bool:
+        return self.finder is None or await self.finder.resolves_here(source)
+
+    async def _read_model(
+        self, source: str, *, preview: bool, asked: bool
+    ) -> tuple[ModelShape, Described | None]:
+        """`read_model` once the caller knows whether `source` is asked of the cluster (`asked`)."""
         if asked and self.finder is not None and (found := await self.finder.find(source)) is not None:
             return found.shape, Described(found.manifest, found.hub_repo, found.model)
         try:
@@ -190,13 +198,13 @@ class InstanceRequests:
         cluster may hold, asked once the cluster has a leader (it has formed). `ModelResolveError`
         when neither this node nor any other has it, or it cannot be read."""
         try:
-            if self.finder is not None and not await self.finder.resolves_here(source):
+            if not await self._resolves_here(source):
                 for _wait in range(ENSURE_ATTEMPTS):
                     if self.cluster.decision.leader is not None:
                         break
                     with trio.move_on_after(1.0):
                         await self.cluster.wait_changed()
-                return (await self.read_model(source, preview=False))[0]
+                return (await self._read_model(source, preview=False, asked=True))[0]
             return await self.shapes.get(source)
         except (ValueError, OSError) as exc:
             raise ModelResolveError(f"cannot serve {source!r}: {exc}") from exc
