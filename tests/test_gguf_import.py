@@ -67,6 +67,8 @@ class TinyModel:
     rope_freqs: bool = False
     chat_template: str | None = None
     """`tokenizer.chat_template`, for a model a node serves through the chat API."""
+    pre: str = "default"
+    """`tokenizer.ggml.pre`: how the vocabulary splits text before BPE."""
 
     def shapes(self, vocab: int) -> dict[str, tuple[int, ...]]:
         q_rows, kv_rows = HEADS * self.head_dim, KV_HEADS * self.head_dim
@@ -176,7 +178,7 @@ def write_tiny_gguf(
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_float32(f"{a}.rope.freq_base", ROPE_BASE)
     writer.add_string("tokenizer.ggml.model", meta["tokenizer.ggml.model"])
-    writer.add_string("tokenizer.ggml.pre", meta["tokenizer.ggml.pre"])
+    writer.add_string("tokenizer.ggml.pre", spec.pre)
     writer.add_array("tokenizer.ggml.tokens", meta["tokenizer.ggml.tokens"])
     writer.add_array("tokenizer.ggml.token_type", meta["tokenizer.ggml.token_type"])
     writer.add_array("tokenizer.ggml.merges", meta["tokenizer.ggml.merges"])

@@ -8,8 +8,8 @@ clamped SwiGLU (alpha 1.702, limit 7) and sinks, and alternates sliding-window a
 starting with a sliding layer (mlx-lm's `layer_types` default). Rope scaling is yarn: llama.cpp's
 `ggml_rope_yarn_corr_dims` and mlx-lm's YarnRoPE both floor/ceil the correction range, clamp it to
 [0, dims - 1] and ramp linearly between it, and scale q and k by 1 + 0.1 ln(factor) (llama.cpp:
-with `attn_factor` 1). Real gpt-oss GGUFs name the `gpt-4o` pre-tokenizer, which
-`gguf_tokenizer` does not rebuild yet: their import is refused there. Pure functions of metadata.
+with `attn_factor` 1). Real gpt-oss GGUFs name the `gpt-4o` pre-tokenizer (o200k's split,
+`gguf_tokenizer`). Pure functions of metadata.
 """
 
 from __future__ import annotations

@@ -36,6 +36,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""o200k (gpt-4o, gpt-oss): cased words keep their case run and contraction, `/` stays with newlines."""
 
 
 def _gpt2_split() -> pre_tokenizers.PreTokenizer:
@@ -66,6 +72,7 @@ _PRE_TOKENIZERS = {
     "llama-bpe": lambda: _regex_split(_LLAMA3_SPLIT),
     "llama3": lambda: _regex_split(_LLAMA3_SPLIT),
     "qwen2": lambda: _regex_split(_QWEN2_SPLIT),
+    "gpt-4o": lambda: _regex_split(_O200K_SPLIT),
 }
 """`tokenizer.ggml.pre` -> how text is split before BPE, as llama.cpp's llama-vocab.cpp does it."""
 
@@ -74,11 +81,9 @@ class GGUFTokenizerError(ValueError):
     """The GGUF's tokenizer metadata is missing or of a kind we cannot rebuild."""
 
 
-def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
-    """The `tokenizers.Tokenizer` (vocab, merges, pre-tokenizer, special tokens) of a GGUF's metadata.
-
-    `meta` holds plain Python values (as `gguf.read_gguf` returns them). Raises `GGUFTokenizerError`.
-    """
+def check_tokenizer_kind(meta: Mapping[str, Any]) -> str:
+    """The pre-tokenizer name, once the vocabulary kind and that name are ones we rebuild; raises
+    `GGUFTokenizerError`. Reads two keys only, so the header check (preflight) refuses before the start."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFTokenizerError(
@@ -87,6 +92,15 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     if pre not in _PRE_TOKENIZERS:
         raise GGUFTokenizerError(f"pre-tokenizer {pre!r} is not supported; known: {sorted(_PRE_TOKENIZERS)}")
+    return pre
+
+
+def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
+    """The `tokenizers.Tokenizer` (vocab, merges, pre-tokenizer, special tokens) of a GGUF's metadata.
+
+    `meta` holds plain Python values (as `gguf.read_gguf` returns them). Raises `GGUFTokenizerError`.
+    """
+    pre = check_tokenizer_kind(meta)
     tokens = _str_list(meta, "tokenizer.ggml.tokens")
     merges = [_split_merge(m) for m in _str_list(meta, "tokenizer.ggml.merges")]
 

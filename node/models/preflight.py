@@ -9,9 +9,11 @@ nothing while a service manager sees success.
 - A `.gguf` not imported yet: its header, read in a child process (numpy and gguf-py stay out of
   the node, as for the import itself): the architecture and its settings (`build_config`: bert,
   mamba, partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q5_0, IQ*, ...
-  are refused). A file gguf-py cannot read (truncated, not a GGUF) is refused too. ~1 s.
+  are refused), and the tokenizer's kind and pre-tokenizer name (SentencePiece vocabularies, an
+  unknown `tokenizer.ggml.pre`). A file gguf-py cannot read (truncated, not a GGUF) is refused too.
+  ~1 s for SmolLM2's GGUF.
 
-What only the import finds (a tokenizer it cannot rebuild, scales that overflow float16) still
+What only the import finds (a malformed vocabulary, scales that overflow float16) still
 fails after the start: `InstanceRequests.ensure` then ends the node with exit 2 as well.
 
 `python -m node.models.preflight FILE.gguf` is the child: its last stdout line is JSON, `{"ok":
@@ -83,11 +85,17 @@ def check_header(path: Path) -> None:
 
     from node.models.gguf_arch import check_tensor_names
     from node.models.gguf_convert import check_type, header_config, read_gguf
+    from node.models.gguf_tokenizer import GGUFTokenizerError, check_tokenizer_kind
 
-    arch, by_name, config = header_config(*read_gguf(path))
+    reader, meta = read_gguf(path)
+    arch, by_name, config = header_config(reader, meta)
     check_tensor_names(by_name, arch, config["num_hidden_layers"])
     for name, tensor in by_name.items():
         check_type(name, GGMLQuantizationType(int(tensor.tensor_type)))
+    try:
+        check_tokenizer_kind(meta)
+    except GGUFTokenizerError as exc:
+        raise GGUFImportError(str(exc)) from exc
 
 
 def _check(path: Path) -> dict[str, bool]:
