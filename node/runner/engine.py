@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step
 
 from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.shard import LogitsProcessor, Sampler, forcing, logits_processors, request_sampler
-from node.runner.formats import ChatFormat, PromptError, chat_format_for
+from node.runner.formats import HARMONY_MODEL_TYPES, ChatFormat, PromptError, chat_format_for
 from node.runner.generation_config import read_sampling_defaults
 from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
@@ -60,6 +60,9 @@ class LoadedModel:
     context_length: int
     sampling: SamplingDefaults
     """The model's own defaults (its generation_config.json), under every request's fields."""
+    vocab_size: int | None = None
+    """Rows of the model's embedding (config.json's `vocab_size`): a prompt id at or past it would
+    read outside the embedding (garbage, silently), so `admit` refuses it. None: not stated."""
 
 
 def load_model(path: Path, *, vocab_dir: Path | None) -> LoadedModel:
@@ -83,7 +86,36 @@ def loaded_model(
     sampling = read_sampling_defaults(folder)
     if given := sampling.given():
         log.info("sampling defaults from %s: %s", folder.name, sampling.model_dump(include=set(given)))
-    return LoadedModel(model, tokenizer, chat_format, model_type, int(context), sampling)
+    return LoadedModel(
+        model, tokenizer, chat_format, model_type, int(context), sampling, vocab_size=_vocab_size(config)
+    )
+
+
+def _vocab_size(config: dict[str, Any]) -> int | None:
+    """config.json's `vocab_size`, or its `text_config`'s (multimodal configs nest it there)."""
+    for source in (config, config.get("text_config") or {}):
+        size = source.get("vocab_size") if isinstance(source, dict) else None
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
+def _outside_vocabulary(loaded: LoadedModel, prompt: Sequence[int]) -> GenerationError | None:
+    """The refusal of a prompt with an id the model has no embedding row for (a tokenizer, or
+    GPT-OSS's harmony vocab, that does not match the weights); None when every id fits."""
+    top = max(prompt)
+    if loaded.vocab_size is None or top < loaded.vocab_size:
+        return None
+    tokenizer = "the harmony o200k vocab" if loaded.model_type in HARMONY_MODEL_TYPES else "its tokenizer"
+    return GenerationError(
+        error_kind="invalid_request",
+        message=(
+            f"the prompt holds token id {top}, but this model's vocabulary has {loaded.vocab_size} "
+            f"tokens: {tokenizer} does not match its weights"
+        ),
+        code="token_out_of_vocabulary",
+        param="messages",
+    )
 
 
 def _too_long(message: str) -> GenerationError:
@@ -151,6 +183,8 @@ def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | TerminalE
         return GenerationError(error_kind="invalid_request", message="the prompt is empty", param="messages")
     if request.count_only:
         return Finish(reason="stop", usage=Usage(prompt_tokens=n_prompt, completion_tokens=0))
+    if (outside := _outside_vocabulary(loaded, prompt)) is not None:
+        return outside
     room = loaded.context_length - n_prompt
     if room < 1:
         return _too_long(f"the prompt is {n_prompt} tokens; this model's context is {loaded.context_length}")
