@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 
-from tests.gptoss_model import ANSWER, ARGUMENTS, REASONING, TOOL, make_scripted_gptoss
+from tests.gptoss_model import ANSWER, ARGUMENTS, REASONING, TOOL, TOOL_REASONING, make_scripted_gptoss
 from tests.nodes import agreed_leader, start_node
 from tests.test_gptoss_surfaces import CHAT_TOOLS, QUESTION, WEATHER
 from tests.waiting import wait_until
@@ -47,6 +47,7 @@ def test_two_stages_write_the_scripts(tmp_path: Path) -> None:
             temperature=0,
         ).choices[0]
         assert call.finish_reason == "tool_calls"
+        assert (call.message.model_extra or {}).get("reasoning_content") == TOOL_REASONING
         calls = [
             (c.function.name, c.function.arguments)
             for c in call.message.tool_calls or []

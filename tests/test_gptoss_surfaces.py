@@ -1,11 +1,11 @@
 """GPT-OSS end to end: a real gpt_oss model with the real o200k tokenizer, through every surface.
 
 One node serves the scripted model (tests/gptoss_model.py), whose output is a known harmony
-sequence: analysis then final for a plain question, a commentary tool call when asked about the
-weather. Each surface, asked through its official client, streamed and not, shows the analysis as
-its reasoning (`reasoning_content`, thinking blocks, Responses reasoning items, Ollama `thinking`),
-the final message as the answer, and the tool call as its tool call. A second model, whose
-vocabulary is smaller than the harmony ids its prompts hold, is refused with a 4xx in each
+sequence: analysis then final for a plain question, analysis then a commentary tool call when asked
+about the weather. Each surface, asked through its official client, streamed and not, shows the
+analysis as its reasoning (`reasoning_content`, thinking blocks, Responses reasoning items, Ollama
+`thinking`), the final message as the answer, and the tool call as its tool call. A second model,
+whose vocabulary is smaller than the harmony ids its prompts hold, is refused with a 4xx in each
 surface's error shape.
 """
 
@@ -28,6 +28,7 @@ from tests.gptoss_model import (
     ARGUMENTS,
     REASONING,
     TOOL,
+    TOOL_REASONING,
     make_scripted_gptoss,
     script_ids,
 )
@@ -110,19 +111,22 @@ def test_chat_completions_tool_call(openai_client: openai.OpenAI, model: str, st
     if not stream:
         choice = openai_client.chat.completions.create(**request).choices[0]
         assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert (choice.message.model_extra or {}).get("reasoning_content") == TOOL_REASONING
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
         assert calls == [(TOOL, ARGUMENTS)]
         return
-    names, arguments, finish, content = "", "", None, ""
+    names, arguments, finish, content, reasoning = "", "", None, "", ""
     for chunk in openai_client.chat.completions.create(**request, stream=True):
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             for call in choice.delta.tool_calls or []:
                 assert call.function is not None
                 names += call.function.name or ""
                 arguments += call.function.arguments or ""
             finish = choice.finish_reason or finish
     assert (names, arguments, finish, content) == (TOOL, ARGUMENTS, "tool_calls", "")
+    assert reasoning == TOOL_REASONING
 
 
 # --- Responses -------------------------------------------------------------------------------------
@@ -170,8 +174,11 @@ def test_responses_function_call(openai_client: openai.OpenAI, model: str, strea
             response = events.get_final_response()
     else:
         response = openai_client.responses.create(model=model, input=WEATHER, tools=tools, temperature=0)
-    assert _reasoning_and_text(response.output) == [("function_call", f"{TOOL} {ARGUMENTS}")]
-    call = response.output[0]
+    assert _reasoning_and_text(response.output) == [
+        ("reasoning", TOOL_REASONING),
+        ("function_call", f"{TOOL} {ARGUMENTS}"),
+    ]
+    call = response.output[1]
     assert call.type == "function_call" and call.call_id and call.id and call.id.startswith("fc_")
 
 
@@ -221,6 +228,7 @@ def test_messages_tool_use(anthropic_client: anthropic.Anthropic, model: str, st
         "max_tokens": 2048,
         "messages": [{"role": "user", "content": WEATHER}],
         "tools": [{"name": TOOL, "description": DESCRIPTION, "input_schema": PARAMETERS}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
         "extra_body": GREEDY,
     }
     if stream:
@@ -228,7 +236,10 @@ def test_messages_tool_use(anthropic_client: anthropic.Anthropic, model: str, st
             message = events.get_final_message()
     else:
         message = anthropic_client.messages.create(**request)
-    assert _blocks(message.content) == [("tool_use", (TOOL, json.loads(ARGUMENTS)))]
+    assert _blocks(message.content) == [
+        ("thinking", TOOL_REASONING),
+        ("tool_use", (TOOL, json.loads(ARGUMENTS))),
+    ]
     assert message.stop_reason == "tool_use"
 
 
@@ -253,13 +264,25 @@ def test_ollama_thinking_and_content(ollama_client: ollama.Client, model: str, s
     assert (hidden.message.thinking, hidden.message.content) == (None, ANSWER)
 
 
-def test_ollama_tool_call(ollama_client: ollama.Client, model: str) -> None:
-    response = ollama_client.chat(
-        model=model, messages=[{"role": "user", "content": WEATHER}], tools=CHAT_TOOLS, options=GREEDY
-    )
-    calls = [(c.function.name, dict(c.function.arguments)) for c in response.message.tool_calls or []]
-    assert calls == [(TOOL, json.loads(ARGUMENTS))]
-    assert not response.message.content
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_ollama_tool_call(ollama_client: ollama.Client, model: str, stream: bool) -> None:
+    request: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": WEATHER}],
+        "tools": CHAT_TOOLS,
+        "think": True,
+        "options": GREEDY,
+    }
+    parts = list(ollama_client.chat(**request, stream=True)) if stream else [ollama_client.chat(**request)]
+    thinking = "".join(part.message.thinking or "" for part in parts)
+    content = "".join(part.message.content or "" for part in parts)
+    calls = [(c.function.name, dict(c.function.arguments)) for p in parts for c in p.message.tool_calls or []]
+    assert (thinking, content, calls) == (TOOL_REASONING, "", [(TOOL, json.loads(ARGUMENTS))])
+
+
+def test_ollama_generate_thinking_and_response(ollama_client: ollama.Client, model: str) -> None:
+    response = ollama_client.generate(model=model, prompt=QUESTION, think=True, options=GREEDY)
+    assert (response.thinking, response.response) == (REASONING, ANSWER)
 
 
 # --- a vocabulary that lacks the harmony ids --------------------------------------------------------
