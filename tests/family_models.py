@@ -8,16 +8,14 @@ tokens, so that sliding-window masks differ from full ones on a chat prompt.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any, Literal
 
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from tests.model_factory import _special_ids, tokenizer_vocab_size, write_random_model
 
-from tests.model_factory import _random_parameters, _special_ids, tokenizer_vocab_size, write_model_folder
-
-Family = Literal["gemma3_text", "phi3", "qwen3_moe", "gpt_oss"]
+Family = Literal[
+    "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "mixtral", "deepseek_v3", "qwen3_next", "lfm2"
+]
 
 _SHARED: dict[str, Any] = {
     "hidden_size": 64,
@@ -52,6 +50,56 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "sliding_window": 4,
         "rope_theta": 150_000,
     },
+    # 4 experts, top 2, every layer (mlx-lm's mistral is its llama: no family of its own).
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1_000_000.0},
+    # MLA attention (compressed q and kv, decoupled rope dims), a dense first layer, then 4
+    # routed experts top 2 in 1 group plus a shared expert, sigmoid gating with a correction bias.
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "rope_theta": 10_000.0,
+    },
+    # Hybrid: gated delta-net layers (conv + recurrent state: ArraysCache) and full attention
+    # every third layer; 4 experts top 2 plus a gated shared expert.
+    "qwen3_next": {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 3,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10_000.0,
+    },
+    # Hybrid: short-convolution layers (ArraysCache) and attention; the final norm is `embedding_norm`.
+    "lfm2": {
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+    },
 }
 
 
@@ -78,10 +126,6 @@ def make_family_model(
     }
     if family == "gpt_oss":
         config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
-    module = importlib.import_module(f"mlx_lm.models.{family}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    weights = _random_parameters(dict(tree_flatten(model.parameters())), seed, mx.float32)
-    model.update(tree_unflatten(list(weights.items())))
-    if tied:
-        weights.pop("lm_head.weight")
-    return write_model_folder(Path(out_dir), weights, config, tokenizer_from=tokenizer_from)
+    if family == "lfm2":
+        config["layer_types"] = ["conv", "conv", "full_attention"] * (num_layers // 3)
+    return write_random_model(Path(out_dir), config, tokenizer_from=tokenizer_from, seed=seed)

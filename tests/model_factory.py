@@ -114,11 +114,24 @@ def make_random_model(
         max_position_embeddings=max_position_embeddings,
         special_ids=_special_ids(tokenizer_from),
     )
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    return write_random_model(out_dir, config, tokenizer_from=tokenizer_from, seed=seed, dtype=dtype)
+
+
+def write_random_model(
+    out_dir: Path, config: dict[str, Any], *, tokenizer_from: Path, seed: int = 0, dtype: DType = "float32"
+) -> Path:
+    """The mlx-lm model class of `config` with random weights, written as a folder. A tied config
+    (`tie_word_embeddings`) gets no `lm_head`, as tied checkpoints come."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    family = str(config["model_type"])
+    module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = module.Model(module.ModelArgs.from_dict(config))
     weights = _random_parameters(dict(tree_flatten(model.parameters())), seed, getattr(mx, dtype))
     model.update(tree_unflatten(list(weights.items())))  # proves every name and shape fits the class
-    return write_model_folder(out_dir, weights, config, tokenizer_from=tokenizer_from)
+    if config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    return write_model_folder(Path(out_dir), weights, config, tokenizer_from=tokenizer_from)
 
 
 def _random_parameters(shapes: dict[str, mx.array], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:

@@ -1,9 +1,10 @@
 """Families without a hand-written stage forward (`node.pipeline.generic`) split like one process.
 
-Each family's tiny random model, split in 2 and 3 stages over real stage processes, gives the
-greedy tokens of `mlx_lm.stream_generate` on the whole model, prefilled in chunks (so sliding
-windows and their masks cross chunk and stage boundaries) and in one piece. A tied gemma3 (the head
-is the embedding, so the last stage holds it too) as well.
+Each family's tiny random model, split in 2 and 3 stages over real stage processes (later
+families: 3), gives the greedy tokens of `mlx_lm.stream_generate` on the whole model, prefilled in
+chunks (so sliding windows and their masks cross chunk and stage boundaries) and in one piece. A
+tied gemma3 (the head is the embedding, so the last stage holds it too) as well. Hybrid families
+(qwen3_next, lfm2: recurrent or convolution state in `ArraysCache`s) split the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +34,18 @@ def family_dir(
     )
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+SPLITS = [
+    *[
+        (family, stages)
+        for family in ("gemma3_text", "gemma3_text-tied", "phi3", "qwen3_moe", "gpt_oss")
+        for stages in (2, 3)
+    ],
+    *[(family, 3) for family in ("mixtral", "deepseek_v3", "qwen3_next", "lfm2")],
+]
+"""Later families only in 3 stages (a first, a middle and a last stage: every role), to keep the time down."""
+
+
+@pytest.mark.parametrize(("family_dir", "stages"), SPLITS, indirect=["family_dir"])
 def test_greedy_tokens_match_one_process(family_dir: Path, stages: int) -> None:
     prompt = _prompt(family_dir)
     chunked = single_process(family_dir, prompt, max_tokens=8, prefill_step_size=8)
@@ -47,6 +59,8 @@ def test_greedy_tokens_match_one_process(family_dir: Path, stages: int) -> None:
 def test_a_family_a_stage_cannot_run_is_refused_with_why() -> None:
     with pytest.raises(ShardError, match="'gemma3n' cannot be split into stages: its layers take per-layer"):
         generic_shard(nn.Module(), {"model_type": "gemma3n"}, start=0, end=1)
+    with pytest.raises(ShardError, match=r"'hunyuan' cannot be split .* on to the next layer"):
+        generic_shard(nn.Module(), {"model_type": "hunyuan"}, start=0, end=1)
     with pytest.raises(ShardError, match="has no list of decoder layers"):
         generic_shard(nn.Module(), {"model_type": "unknown"}, start=0, end=1)
 

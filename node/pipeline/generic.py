@@ -4,6 +4,9 @@
 paths serve). Every other family runs here: the whole mlx-lm `Model.__call__`, with the decoder
 layers outside the stage replaced by stand-ins that hold no weights and pass the hidden state on:
 
+- the stand-ins keep the plain flags of the layers they replace and of their submodules
+  (`use_sliding`, `is_linear`, `self_attn.is_local`), which the model's loop and `make_cache`
+  read to pick each layer's mask and cache;
 - a later stage feeds the model dummy token ids; the embedding, when this stage does not hold
   it, yields zeros of the received hidden state's shape, and the stand-in of layer `start - 1`
   replaces whatever reaches it (scaled embeddings included) by the received hidden state;
@@ -15,7 +18,9 @@ Masks come out right because the model builds them from the caches it is given: 
 is handed a cache of this stage of the same kind (full or sliding window of that size), which at
 mask time has the offset every cache of that kind here has. A kind the stage lacks gets a fresh
 cache; only skipped layers use its mask, and they ignore it. Each stage keeps caches only for its
-own layers. The mlx-lm internals this relies on are in `node.pipeline.mlx_lm_quirks`.
+own layers. Recurrent state (`ArraysCache`: qwen3_next, lfm2, falcon_h1, mamba ...) is per layer
+too, so hybrid families split the same way. The mlx-lm internals this relies on are in
+`node.pipeline.mlx_lm_quirks`.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from node.models.shape import UNSPLITTABLE
-from node.pipeline.mlx_lm_quirks import cache_kind, decoder_owner, full_cache, is_embedding
+from node.pipeline.mlx_lm_quirks import cache_kind, decoder_owner, full_cache, is_embedding, plain_attributes
 from node.pipeline.shard import Shard, ShardError, ShardSpec
 
 HEAD_NAMES = ("lm_head", "output")
 """The output head's attribute on the outer model (dropped by stages before the last)."""
-NORM_NAMES = ("norm", "final_layernorm", "ln_f")
-"""The final norm's attribute on the module owning the layers (dropped likewise)."""
+NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f", "embedding_norm")
+"""The final norm's attribute on the module owning the layers (dropped likewise; lfm2's final norm
+is its `embedding_norm`)."""
 
 
 class _Cut:
@@ -44,11 +50,24 @@ class _Cut:
         self.sent: mx.array | None = None
 
 
-class _SkippedLayer(nn.Module):
+class _Flags(nn.Module):
+    """The plain flags of a module of another stage and of its submodules, without weights: the
+    model's own loop and `make_cache` read them (`use_sliding`, `is_linear`, `self_attn.is_local`)."""
+
+    def __init__(self, replaced: nn.Module) -> None:
+        super().__init__()
+        for name, value in plain_attributes(replaced).items():
+            object.__setattr__(self, name, value)
+        for name, child in replaced.children().items():
+            if isinstance(child, nn.Module):
+                self[name] = _Flags(child)
+
+
+class _SkippedLayer(_Flags):
     """A layer of another stage: passes `x` on, or at the cut swaps in or records the hidden state."""
 
-    def __init__(self, cut: _Cut, role: str) -> None:
-        super().__init__()
+    def __init__(self, cut: _Cut, role: str, replaced: nn.Module) -> None:
+        super().__init__(replaced)
         object.__setattr__(self, "_cut", cut)
         self._role = role  # "inject" (layer start - 1), "capture" (layer end) or "pass"
 
@@ -162,7 +181,7 @@ def generic_shard(model: nn.Module, config: dict[str, Any], *, start: int, end: 
     for i in range(len(layers)):
         if not spec.start <= i < spec.end:
             role = "inject" if i == spec.start - 1 else "capture" if i == spec.end else "pass"
-            layers[i] = _SkippedLayer(cut, role)
+            layers[i] = _SkippedLayer(cut, role, layers[i])
     owner["layers"] = layers
     tied = not any(name in outer for name in HEAD_NAMES)
     if not (spec.is_first or (spec.is_last and tied)):

@@ -15,6 +15,9 @@ is here.
 - `cache_kind`: masks are built by `base.create_attention_mask(h, cache[i])`, which calls
   `cache.make_mask(N, ...)`; that depends only on the cache's type, `offset`, `max_size` and `_idx`
   (`RotatingKVCache.make_mask`). Caches of one kind in one stage are always in the same state.
+- `plain_attributes`: besides calling its layers, a model's own loop and `make_cache` read only
+  plain attributes of them and their submodules (llama's `use_sliding`, qwen3_next's `is_linear`,
+  exaone4's `self_attn.is_local`).
 - `is_embedding`: token embeddings are `nn.Embedding` or `nn.QuantizedEmbedding` children of the
   layers' owner.
 """
@@ -61,3 +64,12 @@ def cache_kind(cache: Any) -> Hashable:
 
 def is_embedding(module: object) -> bool:
     return isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
+
+
+def plain_attributes(module: nn.Module) -> dict[str, object]:
+    """A module's plain attributes (bool, int, float, str, None: no weights, no submodules)."""
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if not name.startswith("_") and (value is None or isinstance(value, bool | int | float | str))
+    }
