@@ -154,6 +154,49 @@ def test_vision_language_prefix_and_text_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("tensors", "embedding", "head", "tied"),
+    [
+        (
+            {"model.tok_embeddings.weight": [10, 8], "output.weight": [10, 8], "model.norm.weight": [8]},
+            160,
+            176,
+            False,
+        ),
+        ({"model.embed_tokens.weight": [10, 8], "model.embedding_norm.weight": [8]}, 160, 16, True),  # lfm2
+        ({"model.word_embeddings.weight": [10, 8], "model.final_layernorm.weight": [8]}, 160, 16, True),
+        (
+            {"backbone.embeddings.weight": [10, 8], "backbone.norm_f.weight": [8], "lm_head.weight": [10, 8]},
+            160,
+            176,
+            False,
+        ),
+    ],
+)
+def test_other_families_names(
+    tmp_path: Path, tensors: dict[str, list[int]], embedding: int, head: int, tied: bool
+) -> None:
+    """internlm2, lfm2, falcon_h1/jamba/bailing, mamba: where their embedding and final norm go."""
+    prefix = "backbone" if "backbone.embeddings.weight" in tensors else "model"
+    layers = {f"{prefix}.layers.{i}.mixer.weight": [8, 8] for i in range(2)}
+    folder = fake_folder(tmp_path, {k: ("BF16", v) for k, v in (layers | tensors).items()})
+    shape = model_shape("m", folder)
+    assert (shape.layer_bytes, shape.embedding_bytes, shape.head_bytes) == ((128, 128), embedding, head)
+    assert shape.tied_embeddings == tied
+
+
+def test_a_model_without_attention_keeps_no_kv_cache(tmp_path: Path) -> None:
+    layers = {f"backbone.layers.{i}.mixer.A_log": ("F32", [4]) for i in range(2)}
+    tensors = {
+        "backbone.embeddings.weight": ("F32", [10, 8]),
+        **layers,
+        "backbone.norm_f.weight": ("F32", [8]),
+    }
+    assert (
+        model_shape("mamba", fake_folder(tmp_path, tensors, num_attention_heads=None)).kv_bytes_per_token == 0
+    )
+
+
+@pytest.mark.parametrize(
     ("tensors", "config", "message"),
     [
         (GOOD | {"vision_tower.weight": ("F32", [4])}, {}, "'vision_tower.weight' is not in a layer"),

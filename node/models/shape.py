@@ -3,13 +3,16 @@
 The weights' sizes come from the safetensors headers (an 8-byte little-endian length, then that
 much JSON naming each tensor's dtype, shape and byte range); no tensor is read. Each tensor goes to:
 
-    model.layers.N.*        layer N
-    model.embed_tokens.*    the embedding
-    model.norm.*, lm_head.* the head
+    model.layers.N.*                        layer N (also `backbone.layers.N`, `model.layers.layers.N`)
+    model.embed_tokens.*                    the embedding (any `model.`/`backbone.` module named
+                                            *embed* but not *norm*: tok_embeddings, embeddings ...)
+    model.norm.*, lm_head.*, output.*       the head (with any other `model.`/`backbone.` module:
+                                            final_layernorm, lfm2's embedding_norm ...)
 
 (a `language_model.` prefix, as vision-language checkpoints have, is ignored). Layers numbered past
 `num_hidden_layers` (e.g. a multi-token-prediction layer) are not loaded by mlx-lm and not counted.
-Any other tensor is an error: the model cannot be split by layers if we do not know where it goes.
+Any other tensor (a vision tower ...) is an error: the model cannot be split by layers if we do not
+know where it goes.
 
 Bytes at run time can differ from bytes on disk (see `node.cpu.dtype`): on the CPU the runner
 keeps affine 4/8-bit layers and 16-bit matrices as stored on its kernels (`kernels=True`) and
@@ -24,7 +27,8 @@ in `ModelShape.unsplittable`: placement then puts it on one node, and refuses mo
 
 The KV cache per token per layer is 2 (keys and values) x kv heads x head dim x the activations'
 dtype bytes (`runtime_dtype_bytes`, else the config's `torch_dtype`, else the weights' dominant float
-dtype). Every layer is assumed to keep a full cache: an overestimate for sliding-window layers.
+dtype). Every layer is assumed to keep a full cache: an overestimate for sliding-window and
+recurrent layers. A model without attention (`num_attention_heads` absent: mamba) keeps none.
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ UNSPLITTABLE = {
 need more than the hidden state at a cut. mlx-lm 0.32.2; checked by splitting tiny random models
 in process, except kimi_k3 and muse_spark (read in the source: their loops unpack a pair)."""
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_EMBEDDING = ("model.embed_tokens.",)
-_HEAD = ("model.norm.", "lm_head.")
+_LAYER = re.compile(r"(?:model|backbone)\.(?:layers\.)?layers\.(\d+)\.")
+_DECODER = ("model.", "backbone.")
+_HEAD = ("lm_head.", "output.")
 
 
 class ModelShapeError(ValueError):
@@ -126,9 +130,9 @@ def model_shape(
             if index < num_layers:
                 layers[index] += size
                 seen_layers.add(index)
-        elif local.startswith(_EMBEDDING):
+        elif _is_embedding(local):
             embedding += size
-        elif local.startswith(_HEAD):
+        elif local.startswith(_HEAD + _DECODER):
             head += size
         else:
             raise ModelShapeError(
@@ -137,7 +141,7 @@ def model_shape(
             )
     if missing := sorted(set(range(num_layers)) - seen_layers):
         raise ModelShapeError(f"{folder}: no tensors for layer(s) {missing[:8]} of {num_layers}")
-    has_lm_head = any(n.removeprefix("language_model.").startswith("lm_head.") for n in tensors)
+    has_lm_head = any(n.removeprefix("language_model.").startswith(_HEAD) for n in tensors)
     tied = config.get("tie_word_embeddings")
     if context_length is None:
         context_length = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
@@ -151,6 +155,14 @@ def model_shape(
         context_length=context_length,
         unsplittable=UNSPLITTABLE.get(str(config.get("model_type")), ""),
     )
+
+
+def _is_embedding(name: str) -> bool:
+    """A tensor of the token embedding: a module of the decoder named *embed* (not a norm)."""
+    if not name.startswith(_DECODER):
+        return False
+    module = name.split(".")[1]
+    return "embed" in module and "norm" not in module
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
@@ -272,6 +284,8 @@ def _runtime_bytes(
 def _kv_bytes_per_token(
     config: dict[str, Any], tensors: dict[str, dict[str, Any]], runtime_dtype_bytes: int | None
 ) -> int:
+    if config.get("num_attention_heads") is None:
+        return 0  # no attention: a recurrent state that does not grow with the context
     heads = _config_int(config, "num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or _config_int(config, "hidden_size") // heads
