@@ -1,10 +1,10 @@
-"""Import a `.gguf` file (llama, qwen2, qwen3, qwen3moe) into an mlx-lm model folder, weights kept as stored.
+"""Import a `.gguf` file (llama, qwen2, qwen3, qwen3moe, gpt-oss) into an mlx-lm folder, weights as stored.
 
 `mlx_lm.load` cannot read a GGUF. The import:
 
 1. reads the file with `gguf.GGUFReader` (memory-mapped raw blocks, every tensor type; `mx.load`
    reads only some types, fails on the whole file for others such as Q5_K, and turns BF16 and
-   Q4_K/Q6_K into float16);
+   Q4_K/Q6_K into float16), its metadata arrays in one pass (`gguf_reader`);
 2. keeps each weight in its stored form: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K as
    MLX affine `weight`/`scales`/`biases` triples (group 32; exact but for fp16 scales of the
    K-quants), Q6_K requantized to 8 bits, MXFP4 as MLX `mxfp4` (exact); see `gguf_quants`.

@@ -37,6 +37,7 @@ from node.models.gguf_quants import (
     quant_mode,
     row_chunks,
 )
+from node.models.gguf_reader import FastGGUFReader
 from node.models.gguf_safetensors import SafetensorsWriter
 from node.models.gguf_sampling import gguf_generation_config
 from node.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
@@ -47,7 +48,7 @@ from node.runner.generation_config import GENERATION_CONFIG
 def read_gguf(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any]]:
     """The memory-mapped reader of a GGUF file and its metadata as plain Python values."""
     try:
-        reader = GGUFReader(gguf_path)
+        reader = FastGGUFReader(gguf_path)
         meta = {key: field.contents() for key, field in reader.fields.items()}
     except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
         raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {exc}") from exc

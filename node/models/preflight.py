@@ -11,7 +11,7 @@ nothing while a service manager sees success.
   mamba, partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q5_0, IQ*, ...
   are refused), and the tokenizer's kind and pre-tokenizer name (SentencePiece vocabularies, an
   unknown `tokenizer.ggml.pre`). A file gguf-py cannot read (truncated, not a GGUF) is refused too.
-  ~1 s for SmolLM2's GGUF.
+  ~1-3 s (a gpt-oss vocabulary of 201,088 tokens and 446,189 merges included: `gguf_reader`).
 
 What only the import finds (a malformed vocabulary, scales that overflow float16) still
 fails after the start: `InstanceRequests.ensure` then ends the node with exit 2 as well.
