@@ -82,6 +82,7 @@ def test_quantized_experts_stay_as_stored_and_give_the_float32_text(
     with caplog.at_level(logging.INFO, logger="shoal.runner"):
         loaded = load_model(quantized, vocab_dir=None)
     assert "kept as stored" in caplog.messages[-1] and "dequantized" not in caplog.messages[-1]
+    assert "2 expert MLPs one operation at decode" in caplog.messages[-1]  # moe_blocks: moe_mlp
     modules = dict(loaded.model.named_modules())
     experts = [m for m in modules.values() if isinstance(m, KernelSwitchLinear)]
     assert len(experts) == 2 * 3 and all(m.weight.dtype == mx.uint32 for m in experts)
@@ -166,8 +167,40 @@ def test_gpt_oss_mxfp4_experts_and_an_all_mxfp4_llama_give_the_float32_text(
     kept, reference = load(str(folder), lazy=True), load(str(folder), lazy=True)
     decision = apply_dtype_policy(kept[0])
     assert "kept as stored" in decision.message and "dequantized" not in decision.message
+    assert ("2 expert MLPs one operation at decode" in decision.message) == (family == "gpt_oss")
     assert apply_dtype_policy(
         reference[0], kernels=KernelLoad(None, "kernels left out by the test")
     ).converted
     for prompt in (list(range(300, 340)), [1000]):
         assert _greedy_tokens(kept[0], kept[1], prompt) == _greedy_tokens(reference[0], reference[1], prompt)
+
+
+def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_route(
+    builtin_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode through moe_mlp (node/cpu/moe_blocks.py) against the same kernels through mlx-lm's
+    SwitchGLU (SHOAL_FUSED_LAYERS=0): the same greedy text, and for a batch of 3 rows (continuous
+    batching) and 9 (mlx-lm's path) the same block outputs within the int16 rounding."""
+    from mlx_lm.utils import load
+
+    from node.cpu.moe_blocks import _FusedMoe
+
+    source = make_qwen3_moe(tmp_path / "f32", tokenizer_from=builtin_model_dir, seed=2)
+    folder = quantized_copy(source, tmp_path / "q4", bits=4, group_size=64)
+    fused = load(str(folder), lazy=True)
+    apply_dtype_policy(fused[0])
+    monkeypatch.setenv("SHOAL_FUSED_LAYERS", "0")
+    plain = load(str(folder), lazy=True)
+    apply_dtype_policy(plain[0])
+    blocks = [layer.mlp for layer in fused[0].layers]
+    assert all(isinstance(b, _FusedMoe) for b in blocks)
+    assert not any(isinstance(layer.mlp, _FusedMoe) for layer in plain[0].layers)
+    for prompt in ([1000], list(range(300, 312))):
+        assert _greedy_tokens(fused[0], fused[1], prompt, n=24) == _greedy_tokens(
+            plain[0], plain[1], prompt, n=24
+        )
+    for rows in (3, 9):
+        x = mx.random.normal((rows, 1, 128))
+        got, want = blocks[0](x), plain[0].layers[0].mlp(x)
+        assert got.shape == want.shape == (rows, 1, 128)
+        assert mx.all(mx.abs(got - want) < 1e-3 * mx.abs(want).max()).item()

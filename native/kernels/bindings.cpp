@@ -11,6 +11,7 @@
 #include "gather.h"
 #include "layers.h"
 #include "matmul.h"
+#include "moe.h"
 #include "stack.h"
 
 namespace nb = nanobind;
@@ -26,6 +27,11 @@ NB_MODULE(_kernels, m) {
         "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine or MXFP4 "
         "(uint8 scales) experts; "
         "float32 [batch..., rows, N].");
+  // An expert projection is (weight, scales, biases, bias, group_size, bits), absent parts None.
+  m.def("moe_mlp", &shoal::moe_mlp, "x"_a, "indices"_a, "scores"_a, "gate"_a, "up"_a, "down"_a, nb::kw_only(),
+        "activation"_a = "swiglu", "alpha"_a = 1.702f, "limit"_a = 7.0f, "stream"_a = nb::none(),
+        "sum_j scores[..., j] * down(act(gate(x), up(x))) over each token's experts indices[..., j], in one "
+        "operation (activation 'swiglu' or gpt_oss's 'swiglu_oai'); float32 [..., D].");
   m.def("set_blas_library", &shoal::set_blas_library, "path"_a,
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });

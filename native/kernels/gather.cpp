@@ -93,24 +93,30 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
   }
 }
 
+WeightSpec expert_spec(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
+                       int group_size, int bits, const char* what) {
+  const std::string where = std::string("[") + what + "] ";
+  if (w.ndim() != 3 || scales.ndim() != 3 || (biases && biases->ndim() != 3))
+    throw std::invalid_argument(where + "w, scales and biases must be 3-D [experts, N, ...]");
+  const int E = w.shape(0);
+  if (scales.shape(0) != E || (biases && biases->shape(0) != E))
+    throw std::invalid_argument(where + "w, scales and biases must have the same experts");
+  // One expert's layout, checked as the dense product checks it.
+  auto first = [](const mx::array& a) {
+    return mx::reshape(mx::slice(a, {0, 0, 0}, {1, a.shape(1), a.shape(2)}), {a.shape(1), a.shape(2)});
+  };
+  std::optional<mx::array> b0;
+  if (biases) b0 = first(*biases);
+  return weight_spec(first(w), first(scales), b0, group_size, bits);
+}
+
 mx::array gather_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                         const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
                         int bits, mx::StreamOrDevice s) {
-  if (w.ndim() != 3 || scales.ndim() != 3 || (biases && biases->ndim() != 3))
-    throw std::invalid_argument("[shoal_gather_matmul] w, scales and biases must be 3-D [experts, N, ...]");
   if (x.ndim() < 2) throw std::invalid_argument("[shoal_gather_matmul] x must be [..., rows, K]");
   if (!mx::issubdtype(indices.dtype(), mx::integer))
     throw std::invalid_argument("[shoal_gather_matmul] indices must be integers");
-  const int E = w.shape(0);
-  // One expert's layout, checked as the dense product checks it.
-  auto expert = [](const mx::array& a) { return mx::reshape(a, {a.shape(1), a.shape(2)}); };
-  const mx::array w0 = mx::slice(w, {0, 0, 0}, {1, w.shape(1), w.shape(2)});
-  const mx::array s0 = mx::slice(scales, {0, 0, 0}, {1, scales.shape(1), scales.shape(2)});
-  std::optional<mx::array> b0;
-  if (biases) b0 = expert(mx::slice(*biases, {0, 0, 0}, {1, biases->shape(1), biases->shape(2)}));
-  const WeightSpec spec = weight_spec(expert(w0), expert(s0), b0, group_size, bits);
-  if (scales.shape(0) != E || (biases && biases->shape(0) != E))
-    throw std::invalid_argument("[shoal_gather_matmul] w, scales and biases must have the same experts");
+  const WeightSpec spec = expert_spec(w, scales, biases, group_size, bits, "shoal_gather_matmul");
   if (x.shape(-1) != spec.K)
     throw std::invalid_argument("[shoal_gather_matmul] x has " + std::to_string(x.shape(-1)) + " features, w " +
                                 std::to_string(spec.K));

@@ -34,6 +34,11 @@ mx::array gather_matmul(const mx::array& x, const mx::array& w, const mx::array&
                         const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
                         int bits, mx::StreamOrDevice s = {});
 
+// The layout of one stack of experts [E, N, ...], checked as the dense product checks one
+// (std::invalid_argument, prefixed with `what`).
+WeightSpec expert_spec(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
+                       int group_size, int bits, const char* what);
+
 // E experts' weights stored one after another (as MLX stacks them): expert e's rows start
 // e * data_stride bytes after expert 0's, its scales and biases e * scale_stride bytes after.
 struct Experts {

@@ -45,6 +45,7 @@ from node.cpu.kernel_layers import (
 )
 from node.cpu.layer_eval import evaluate_layers_in_prefill
 from node.cpu.memory import available_memory_bytes
+from node.cpu.moe_blocks import fuse_moe_blocks
 from node.native import KernelLoad, load_kernels
 
 log = logging.getLogger("shoal.runner")
@@ -249,6 +250,8 @@ def _keep_as_stored(
     fused = fuse_decoder_layers(model, kernels.module)
     if fused:
         note += f"; {fused} decoder layers fused"
+    if moe := fuse_moe_blocks(model, kernels.module):
+        note += f"; {moe} expert MLPs one operation at decode"
     if stack_decoder(model, kernels.module):
         note += " (a decode step's layers as one operation)"
     held = sum(v.nbytes for _, layer in swapped for _, v in _flat(layer))

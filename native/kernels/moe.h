@@ -1,0 +1,70 @@
+// `moe_mlp`: a mixture-of-experts MLP for a few tokens (decode, small batches) as ONE MLX operation:
+// each token's gate and up products with its chosen experts, the activation, the down product and
+// the sum weighted by the router's scores. mlx-lm's SwitchGLU path is ~15 operations a layer
+// (broadcasts, three expert products, the activation, the weighting, the sum), each 10-20 us of
+// scheduling on the CPU stream; at decode those cost as much as the products themselves.
+//
+// The products are gather.h's: the (token, expert) pairs grouped by expert, each expert's rows
+// read once for all its tokens, and every expert's gate and up rows one pool job (the down rows
+// another). x is rounded to int16 once per token and shared by every expert's gate and up.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "gather.h"
+
+namespace shoal {
+
+// The activation between the gate/up and down products.
+// - SwiGLU: silu(gate) * up (qwen3_moe, mixtral, ...).
+// - ClampedSwiGLU (gpt_oss): g = min(gate, limit), u = clip(up, -limit, limit);
+//   (u + 1) * g * sigmoid(alpha * g).
+enum class Activation { SwiGLU, ClampedSwiGLU };
+
+// One expert projection as Python hands it over: weight [E, N, K * bits / 32], scales, biases (absent:
+// symmetric or MXFP4), bias [E, N] added to the output (absent: none), group size, bits.
+using ExpertProjection = std::tuple<mx::array, mx::array, std::optional<mx::array>, std::optional<mx::array>, int, int>;
+
+// An expert projection's layout, checked (std::invalid_argument names what is wrong).
+struct ExpertDesc {
+  WeightSpec spec;
+  int E;
+  bool biases, bias;
+};
+
+class MoeMlp : public mx::Primitive {
+ public:
+  MoeMlp(mx::Stream stream, ExpertDesc gate, ExpertDesc up, ExpertDesc down, Activation activation, float alpha,
+         float limit)
+      : mx::Primitive(stream),
+        gate_(gate),
+        up_(up),
+        down_(down),
+        activation_(activation),
+        alpha_(alpha),
+        limit_(limit) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "ShoalMoeMlp"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  ExpertDesc gate_, up_, down_;
+  Activation activation_;
+  float alpha_, limit_;
+};
+
+// y[t] = sum_j scores[t, j] * (down_e(act(gate_e(x[t]) + gate_bias_e, up_e(x[t]) + up_bias_e)) + down_bias_e),
+// e = indices[t, j]. x float [..., D]; indices (integers) and scores [..., k] with x's leading
+// shape. activation: "swiglu" or "swiglu_oai" (alpha, limit: gpt_oss's 1.702 and 7). Any number
+// of tokens (blocks of kMaxRows); it pays for a few. An index outside [0, E) adds nothing.
+// Returns float32 [..., D].
+mx::array moe_mlp(const mx::array& x, const mx::array& indices, const mx::array& scores, const ExpertProjection& gate,
+                  const ExpertProjection& up, const ExpertProjection& down, const std::string& activation,
+                  float alpha, float limit, mx::StreamOrDevice s = {});
+
+}  // namespace shoal

@@ -1,0 +1,139 @@
+"""Mixture-of-experts MLPs at decode as one native operation, not ~15.
+
+mlx-lm's `SwitchGLU` runs a decode step's experts as broadcasts, three expert products, the
+activation and, in the block around it, the weighting by the router's scores and the sum: each an
+MLX operation that costs 10-20 us of scheduling on the CPU, as much as the products of a small
+expert. `fuse_moe_blocks` gives each qwen3_moe `Qwen3MoeSparseMoeBlock` and gpt_oss `MLPBlock`
+whose experts all run on the kernels (`expert_layers.KernelSwitchLinear`) a `__call__` that
+routes as mlx-lm does, then hands x, the chosen experts and their scores to `moe_mlp` (gate and
+up of every chosen expert as one pool job, the activation, down, the weighted sum). Inputs of
+more than `MAX_TOKENS` tokens (prefill) keep mlx-lm's path, which groups many tokens by expert.
+
+Like `fused_layers`, only the block's class changes (a mixin in front): parameters, modules and
+sharding see the same model. `SHOAL_FUSED_LAYERS=0` turns this off too.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+from node.cpu.expert_layers import KernelSwitchLinear
+from node.cpu.fused_layers import fused_layers_enabled
+
+MAX_TOKENS = 8
+"""Tokens up to which a block runs as one operation (the kernels' row block, kMaxRows): decode and
+the few rows continuous batching brings. More go through mlx-lm's sort by expert."""
+
+FUSABLE_BLOCKS = (
+    ("mlx_lm.models.qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    ("mlx_lm.models.gpt_oss", "MLPBlock"),
+)
+"""The mlx-lm MoE blocks whose routing `_FusedMoe.__call__` reproduces."""
+
+ExpertProjection = tuple[mx.array, mx.array, mx.array | None, mx.array | None, int, int]
+
+
+def _experts(block: Any) -> Any:
+    """The block's SwitchGLU: qwen3_moe calls it `switch_mlp`, gpt_oss `experts`."""
+    return block.get("switch_mlp", block.get("experts"))
+
+
+def _activation(block: Any) -> tuple[str, float, float] | None:
+    """moe_mlp's activation (name, alpha, limit) for the block's SwitchGLU, or None."""
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    act = _experts(block).activation
+    if type(act) is SwiGLU:
+        return ("swiglu", 1.0, 0.0)
+    if type(act) is SwigluOAI:
+        return ("swiglu_oai", float(act._alpha), float(act._limit))
+    return None
+
+
+def is_fusable_moe(block: Any) -> bool:
+    """Whether `block` is a qwen3_moe or gpt_oss MoE block with every expert on the kernels."""
+    if (type(block).__module__, type(block).__name__) not in FUSABLE_BLOCKS:
+        return False
+    experts = _experts(block)
+    if experts is None or type(experts).__name__ != "SwitchGLU":
+        return False
+    if getattr(block, "sharding_group", None) is not None:
+        return False
+    projections = [experts.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, KernelSwitchLinear) for p in projections):
+        return False
+    gate, up = projections[0], projections[1]
+    same = (gate["weight"].dtype, gate.group_size, gate.bits, gate["scales"].dtype)
+    if same != (up["weight"].dtype, up.group_size, up.bits, up["scales"].dtype):
+        return False
+    if ("bias" in gate) != ("bias" in up) or (gate._biases() is None) != (up._biases() is None):
+        return False
+    return _activation(block) is not None
+
+
+def _projection(layer: Any) -> ExpertProjection:
+    weight, scales, bias = layer["weight"], layer["scales"], layer.get("bias")
+    return (weight, scales, layer._biases(), bias, layer.group_size, layer.bits)
+
+
+class _FusedMoe:
+    """Mixed in before a fusable block's class: a few tokens go through `moe_mlp`."""
+
+    _kernels: ModuleType
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] > MAX_TOKENS:
+            return super().__call__(x)  # type: ignore[misc]
+        block: Any = self
+        experts = _experts(block)
+        if "switch_mlp" in block:  # qwen3_moe: softmax over all experts, the top k renormalized
+            gates = mx.softmax(block["gate"](x), axis=-1, precise=True)
+            k = block.top_k
+            indices = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+            scores = mx.take_along_axis(gates, indices, axis=-1)
+            if block.norm_topk_prob:
+                scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        else:  # gpt_oss: the top k logits, softmax over them
+            logits = block["router"](x)
+            k = block.num_experts_per_tok
+            indices = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
+            scores = mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
+        name, alpha, limit = _activation(block) or ("swiglu", 1.0, 0.0)
+        return self._kernels.moe_mlp(
+            x,
+            indices,
+            scores,
+            _projection(experts["gate_proj"]),
+            _projection(experts["up_proj"]),
+            _projection(experts["down_proj"]),
+            activation=name,
+            alpha=alpha,
+            limit=limit,
+        )
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type, kernels: ModuleType) -> type:
+    if cls not in _SUBCLASSES:
+        namespace = {"__module__": cls.__module__, "_kernels": kernels}
+        _SUBCLASSES[cls] = type(cls.__name__, (_FusedMoe, cls), namespace)
+    return _SUBCLASSES[cls]
+
+
+def fuse_moe_blocks(model: Any, kernels: ModuleType) -> int:
+    """Give every fusable MoE block of `model` the one-operation decode; returns how many."""
+    if not fused_layers_enabled() or not hasattr(kernels, "moe_mlp"):
+        return 0
+    fused = 0
+    for _, module in model.named_modules():
+        if isinstance(module, _FusedMoe) or not is_fusable_moe(module):
+            continue
+        module.__class__ = _fused_class(type(module), kernels)
+        fused += 1
+    return fused

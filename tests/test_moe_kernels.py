@@ -1,0 +1,154 @@
+"""Shoal's whole expert MLP in one operation (moe_mlp) against a plain float64 reference: each
+token's chosen experts dequantized by mx.dequantize, gate and up, the activation, down, and the
+sum weighted by the scores, one (token, expert) pair at a time."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from node.native import load_kernels
+from tests.isa_children import CAPS, capped_env, run_capped
+
+KERNELS = load_kernels().module
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason=f"native kernels unavailable: {load_kernels().reason}"
+)
+EXPERTS = 6
+TOP = 3
+ALPHA, LIMIT = 1.702, 1.5
+"""gpt_oss's clamped SwiGLU (its limit is 7; 1.5 clamps many of these gate and up values)."""
+TOLERANCE = 4e-4
+"""Of max |y|: x and the activations are rounded to int16 per group (a wrong activation: > 0.4)."""
+
+
+def _kernels() -> ModuleType:
+    assert KERNELS is not None
+    return KERNELS
+
+
+def _projection(n: int, k: int, kind: str, bias: bool) -> tuple[Any, ...]:
+    """An expert projection in the op's tuple form: affine 4-bit g64 (bf16 scales) or MXFP4."""
+    w = mx.random.normal((EXPERTS, n, k)) * (1.5 / k**0.5)
+    b = mx.random.normal((EXPERTS, n)) * 0.1 if bias else None
+    if kind == "mxfp4":
+        wq, scales, *_ = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
+        return (wq, scales, None, b, 32, 4)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    return (wq, scales.astype(mx.bfloat16), biases.astype(mx.bfloat16), b, 64, 4)
+
+
+def _dense(p: tuple[Any, ...]) -> np.ndarray:
+    wq, scales, biases, _, group, bits = p
+    if biases is None:
+        w = mx.dequantize(wq, scales, group_size=group, bits=bits, mode="mxfp4")
+    else:
+        w = mx.dequantize(
+            wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+        )
+    return np.array(w.astype(mx.float32), dtype=np.float64)
+
+
+def _reference(
+    x: mx.array, idx: mx.array, scores: mx.array, projections: list[tuple[Any, ...]], activation: str
+) -> np.ndarray:
+    gate, up, down = (_dense(p) for p in projections)
+    gate_bias, up_bias, down_bias = (
+        np.zeros((EXPERTS, 1)) if p[3] is None else np.array(p[3], np.float64) for p in projections
+    )
+    xs = np.array(x, dtype=np.float64)
+    ids, ss = np.array(idx), np.array(scores, dtype=np.float64)
+    out = np.zeros_like(xs)
+    for t in range(xs.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = gate[e] @ xs[t], up[e] @ xs[t]
+            g, u = g + gate_bias[e], u + up_bias[e]
+            if activation == "swiglu":
+                h = g / (1 + np.exp(-g)) * u
+            else:
+                g = np.minimum(g, LIMIT)
+                h = (np.clip(u, -LIMIT, LIMIT) + 1) * g / (1 + np.exp(-ALPHA * g))
+            d = down[e] @ h + down_bias[e]
+            out[t] += ss[t, j] * d
+    return out
+
+
+def _chosen(tokens: int) -> mx.array:
+    """Top-3 choices with repeats across tokens and gaps: experts 1 and 4 are never chosen."""
+    used = np.array([0, 2, 3, 5])
+    rng = np.random.default_rng(tokens)
+    return mx.array(np.stack([rng.permutation(used)[:TOP] for _ in range(tokens)]).astype(np.int32))
+
+
+CASES = [("swiglu", "affine4", False), ("swiglu_oai", "mxfp4", True), ("swiglu_oai", "affine4", True)]
+
+
+@pytest.mark.parametrize("activation, kind, bias", CASES)
+@pytest.mark.parametrize("tokens", [1, 3, 8, 11])
+def test_moe_mlp_matches_the_plain_reference(activation: str, kind: str, bias: bool, tokens: int) -> None:
+    """D = 7 groups of 64 (K not a multiple of a 64-byte step), ffn 192; 11 tokens: two blocks."""
+    mx.random.seed(tokens)
+    dim, ffn = 448, 192
+    projections = [_projection(ffn, dim, kind, bias), _projection(ffn, dim, kind, bias)]
+    projections.append(_projection(dim, ffn, kind, bias))
+    x = mx.random.normal((tokens, dim))
+    idx = _chosen(tokens)
+    scores = mx.softmax(mx.random.normal((tokens, TOP)), axis=-1)
+    got = _kernels().moe_mlp(x, idx, scores, *projections, activation=activation, alpha=ALPHA, limit=LIMIT)
+    want = _reference(x, idx, scores, projections, activation)
+    assert got.dtype == mx.float32 and got.shape == x.shape
+    error = np.abs(np.array(got, dtype=np.float64) - want).max() / np.abs(want).max()
+    assert error < TOLERANCE, error
+    # Batch axes are the tokens': [B, L, D] gives the same rows.
+    again = _kernels().moe_mlp(
+        x.reshape(1, tokens, dim),
+        idx.reshape(1, tokens, TOP),
+        scores.reshape(1, tokens, TOP),
+        *projections,
+        activation=activation,
+        alpha=ALPHA,
+        limit=LIMIT,
+    )
+    assert mx.array_equal(again.reshape(tokens, dim), got)
+
+
+def test_match_a_token_choosing_one_expert_twice_and_an_index_outside_adds_nothing() -> None:
+    mx.random.seed(1)
+    projections = [_projection(64, 128, "affine4", False) for _ in range(2)]
+    projections.append(_projection(128, 64, "affine4", False))
+    x = mx.random.normal((2, 128))
+    idx = mx.array([[2, 2, 5], [0, EXPERTS, 3]])
+    scores = mx.array([[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]])
+    got = np.array(_kernels().moe_mlp(x, idx, scores, *projections), dtype=np.float64)
+    kept = np.array([[2, 2, 5], [0, 0, 3]])
+    zeroed = np.array([[0.5, 0.25, 0.25], [0.2, 0.0, 0.5]])
+    want = _reference(x, mx.array(kept), mx.array(zeroed), projections, "swiglu")
+    assert np.abs(got - want).max() / np.abs(want).max() < TOLERANCE
+
+
+def test_bad_arguments_are_clear() -> None:
+    k = _kernels()
+    gate = _projection(64, 128, "affine4", False)
+    down = _projection(128, 64, "affine4", False)
+    x, idx, scores = mx.zeros((1, 128)), mx.zeros((1, 2), dtype=mx.int32), mx.ones((1, 2))
+    with pytest.raises(ValueError, match="activation"):
+        k.moe_mlp(x, idx, scores, gate, gate, down, activation="gelu")
+    with pytest.raises(ValueError, match="down must take"):
+        k.moe_mlp(x, idx, scores, gate, gate, gate)
+    with pytest.raises(ValueError, match="x must be"):
+        k.moe_mlp(mx.zeros((1, 64)), idx, scores, gate, gate, down)
+    with pytest.raises(ValueError, match="indices and scores"):
+        k.moe_mlp(x, idx, mx.ones((1, 3)), gate, gate, down)
+    with pytest.raises(ValueError, match="gate and up"):
+        k.moe_mlp(x, idx, scores, gate, _projection(64, 128, "mxfp4", False), down)
+
+
+@pytest.mark.parametrize("isa", CAPS)
+def test_each_narrower_instruction_set_passes_these_tests_too(isa: str) -> None:
+    """The same products and activations with the kernels capped at each narrower set."""
+    run_capped(__file__, capped_env(_kernels().kernel_name(), isa), "match")
