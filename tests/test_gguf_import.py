@@ -85,7 +85,7 @@ class TinyModel:
                 "attn_k.weight": (kv_rows, HIDDEN),
                 "attn_v.weight": (kv_rows, HIDDEN),
                 "attn_output.weight": (HIDDEN, q_rows),
-                ("attn_post_norm" if self.arch == "gpt-oss" else "ffn_norm") + ".weight": (HIDDEN,),
+                ("post_attention_norm" if self.arch == "gpt-oss" else "ffn_norm") + ".weight": (HIDDEN,),
             }
             if self.arch in ("qwen3moe", "gpt-oss"):
                 layer |= {
@@ -127,7 +127,7 @@ _HF_LAYER = {
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _HF_GPT_OSS = {
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks",
     "ffn_gate_inp": "mlp.router",
     **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
@@ -365,3 +365,16 @@ def test_an_unsupported_type_is_refused_naming_it(part: str, qtype: Q, tmp_path:
     with pytest.raises(GGUFImportError, match=rf"{part}\.weight.*{qtype.name}"):
         import_gguf(tmp_path / "bad.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_tiny_files_name_tensors_as_llama_cpp_does(name: str) -> None:
+    """Every tensor is one gguf-py (llama.cpp's names) lists for the architecture, so that the
+    import is tested on the names real files carry (gpt-oss's pre-MLP norm is `post_attention_norm`)."""
+    spec = CASES[name]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == spec.arch)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+    for tensor in spec.shapes(vocab=8):
+        parts = tensor.split(".")
+        base = f"blk.{{bid}}.{parts[2]}" if parts[0] == "blk" else parts[0]
+        assert base in known, tensor

@@ -2,7 +2,7 @@
 
 llama.cpp's converter stores gpt-oss with its experts split (HF's interleaved `gate_up_proj` is
 already `ffn_gate_exps` / `ffn_up_exps`, as mlx-lm's `sanitize` makes them), biases on attention,
-router and experts, a per-head `attn_sinks` vector, and the pre-MLP norm as `attn_post_norm`.
+router and experts, a per-head `attn_sinks` vector, and the pre-MLP norm as `post_attention_norm`.
 Its graph routes as mlx-lm's does (top-k of the router logits, softmax over those k), uses the same
 clamped SwiGLU (alpha 1.702, limit 7) and sinks, and alternates sliding-window and full attention
 starting with a sliding layer (mlx-lm's `layer_types` default). Rope scaling is yarn: llama.cpp's
@@ -21,7 +21,7 @@ from node.models.json_child import GGUFImportError
 
 GPT_OSS = "gpt-oss"
 LAYER_NAMES = {
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks",
     "ffn_gate_inp": "mlp.router",
     "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -32,7 +32,7 @@ LAYER_NAMES = {
 BARE_PARAMETERS = frozenset({"attn_sinks"})
 """Parts that are a plain array of the module above (`self_attn.sinks`), not a `.weight`."""
 LAYER_TENSORS = (
-    *("attn_norm.weight", "attn_post_norm.weight", "attn_sinks.weight"),
+    *("attn_norm.weight", "post_attention_norm.weight", "attn_sinks.weight"),
     *(
         f"{part}.{kind}"
         for part in ("attn_q", "attn_k", "attn_v", "attn_output")
