@@ -221,46 +221,77 @@ def _tensors(shape: LlamaShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     return [*out, ("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
 
 
+TensorSpec = tuple[str, tuple[int, ...], str]
+"""A GGUF tensor to write: name, numpy shape (rows = outputs), and its content: `normal` (F16,
+normal * WEIGHT_SCALE), `normal32` (the same in F32: routers, which llama-quantize keeps as they
+are and converters write in F32), `ones` or `zeros` (F32: norms, biases, attention sinks)."""
+
+
+def write_random_tensors(
+    out: Path,
+    arch: str,
+    meta: dict[str, int | float | str],
+    tensors: list[TensorSpec],
+    tokenizer: list[tuple[str, Any, Any, Any]],
+    seed: int = 0,
+) -> Path:
+    """A GGUF of `arch` with `meta` (`{arch}.` prefixed to every key but `general.*`; int -> uint32,
+    float -> float32), `tokenizer` fields and random `tensors`, streamed one tensor at a time."""
+    import gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    for key, value in meta.items():
+        key = key if key.startswith("general.") else f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for key, value, vtype, sub in tokenizer:
+        writer.add_key_value(key, value, vtype, sub)
+    for name, dims, kind in tensors:
+        dtype = np.dtype(np.float16 if kind == "normal" else np.float32)
+        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _, dims, kind in tensors:
+        if kind in ("ones", "zeros"):
+            writer.write_tensor_data((np.ones if kind == "ones" else np.zeros)(dims, np.float32))
+        else:
+            weight = rng.standard_normal(dims, dtype=np.float32) * WEIGHT_SCALE
+            writer.write_tensor_data(weight.astype(np.float16) if kind == "normal" else weight)
+    writer.close()
+    partial.rename(out)
+    return out
+
+
 def write_random_gguf(out: Path, shape: LlamaShape, tokenizer_from: Path, seed: int = 0) -> Path:
     """An F16 llama GGUF of `shape` with random weights and `tokenizer_from`'s tokenizer (streamed)."""
     import gguf
 
     fields = tokenizer_fields(tokenizer_from)
     vocab = len(next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"))
-    tensors = _tensors(shape, vocab)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(partial, "llama")
-    writer.add_name(f"random llama {shape.layers}x{shape.hidden}")
-    writer.add_block_count(shape.layers)
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_dimension_count(shape.hidden // shape.heads)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, value, vtype, sub in fields:
-        writer.add_key_value(key, value, vtype, sub)
-    for name, dims in tensors:
-        dtype = np.dtype(np.float32 if len(dims) == 1 else np.float16)
-        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for _, dims in tensors:
-        if len(dims) == 1:
-            writer.write_tensor_data(np.ones(dims, np.float32))
-        else:
-            weight = rng.standard_normal(dims, dtype=np.float32) * WEIGHT_SCALE
-            writer.write_tensor_data(weight.astype(np.float16))
-    writer.close()
-    partial.rename(out)
-    return out
+    meta: dict[str, int | float | str] = {
+        "general.name": f"random llama {shape.layers}x{shape.hidden}",
+        "block_count": shape.layers,
+        "context_length": shape.context,
+        "embedding_length": shape.hidden,
+        "feed_forward_length": shape.intermediate,
+        "attention.head_count": shape.heads,
+        "attention.head_count_kv": shape.kv_heads,
+        "rope.dimension_count": shape.hidden // shape.heads,
+        "rope.freq_base": 500000.0,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "vocab_size": vocab,
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+    }
+    tensors = [(name, dims, "ones" if len(dims) == 1 else "normal") for name, dims in _tensors(shape, vocab)]
+    return write_random_tensors(out, "llama", meta, tensors, fields, seed)
 
 
 def quantize_gguf(llama: LlamaCpp, src: Path, dst: Path, qtype: str, threads: int) -> Path:
@@ -308,17 +339,29 @@ def gguf_bytes_per_token(path: Path) -> tuple[int, int, dict[str, int]]:
     """(weight bytes a decode step reads, all tensor bytes, count of tensors per type) of a GGUF.
 
     A step reads every tensor except the embedding table, of which it looks up one row, unless
-    the model has no `output` tensor (tied): then the head reads the whole table."""
+    the model has no `output` tensor (tied): then the head reads the whole table. Of a mixture of
+    experts' expert tensors (`*_exps*`: weights and biases) it reads the chosen experts' share,
+    `{arch}.expert_used_count` of `{arch}.expert_count` (the active bytes)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def number(key: str) -> int:
+        field = reader.fields.get(f"{arch}.{key}")
+        return int(field.contents()) if field is not None else 0
+
+    experts, used = number("expert_count"), number("expert_used_count")
+    share = used / experts if experts and used else 1.0
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     types: dict[str, int] = {}
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     total = sum(sizes.values())
-    read = total - sizes.get("token_embd.weight", 0) if "output.weight" in sizes else total
-    return read, total, types
+    read = sum(size * share if "_exps." in name else size for name, size in sizes.items())
+    if "output.weight" in sizes:
+        read -= sizes.get("token_embd.weight", 0)
+    return int(read), total, types
 
 
 # ---- llama-bench -----------------------------------------------------------------------------------
