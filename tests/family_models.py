@@ -14,7 +14,17 @@ from typing import Any, Literal
 from tests.model_factory import _special_ids, tokenizer_vocab_size, write_random_model
 
 Family = Literal[
-    "gemma3_text", "phi3", "qwen3_moe", "gpt_oss", "mixtral", "deepseek_v3", "qwen3_next", "lfm2"
+    "gemma3_text",
+    "phi3",
+    "qwen3_moe",
+    "gpt_oss",
+    "mixtral",
+    "deepseek_v3",
+    "qwen3_next",
+    "lfm2",
+    "nanochat",
+    "baichuan_m1",
+    "gpt_neox",
 ]
 
 _SHARED: dict[str, Any] = {
@@ -100,6 +110,17 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "block_ffn_dim_multiplier": 1.0,
         "block_auto_adjust_ff_dim": False,
     },
+    # Layers under `transformer.h`, not `model.layers`.
+    "nanochat": {"rope_theta": 10_000.0},
+    # Each layer's cache is a `CacheList` (convolution state + full or 4-token window KVCache).
+    "baichuan_m1": {
+        "sliding_window": 4,
+        "sliding_window_layers": [0, 2, 4],
+        "conv_window": 2,
+        "rope_theta": 10_000.0,
+    },
+    # The head `embed_out` and `final_layer_norm` sit beside the layers; partial rotary.
+    "gpt_neox": {"layer_norm_eps": 1e-5, "rotary_emb_base": 10_000, "rotary_pct": 0.25},
 }
 
 

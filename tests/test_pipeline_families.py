@@ -9,6 +9,7 @@ tied gemma3 (the head is the embedding, so the last stage holds it too) as well.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import cast, get_args
 
@@ -22,8 +23,11 @@ from node.pipeline.shard import ShardError, load_shard
 from tests.family_models import Family, make_family_model
 from tests.test_pipeline import _prompt, ring, run, single_process
 
+STAGE_FAMILIES = [f for f in get_args(Family) if f not in ("nanochat", "baichuan_m1", "gpt_neox")]
+"""Run on real stage processes; the other families are split in process only (`test_in_process`)."""
 
-@pytest.fixture(scope="module", params=[*get_args(Family), "gemma3_text-tied"])
+
+@pytest.fixture(scope="module", params=[*STAGE_FAMILIES, "gemma3_text-tied"])
 def family_dir(
     request: pytest.FixtureRequest, builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
@@ -71,3 +75,28 @@ def test_a_middle_stage_holds_only_its_layers(family_dir: Path) -> None:
     names = {name for name, _ in cast(list[tuple[str, mx.array]], tree_flatten(middle.parameters()))}
     assert names and all(name.startswith(("net.model.layers.2.", "net.model.layers.3.")) for name in names)
     assert len(middle.make_cache()) == 2
+
+
+@pytest.mark.parametrize("family", ["nanochat", "baichuan_m1", "gpt_neox"])
+def test_in_process_stages_give_the_whole_models_logits(
+    family: Family, builtin_model_dir: Path, tmp_path: Path
+) -> None:
+    """Layers under another name (`transformer.h`, `model.h`), caches that are `CacheList`s, a head
+    beside the layers (`embed_out`, which a middle stage does not hold): three stages loaded by
+    `load_shard` give the whole model's logits, in chunks of 5 then token by token."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    folder = make_family_model(tmp_path / family, family, tokenizer_from=builtin_model_dir)
+    whole = load_model(folder)[0]
+    stages = [load_shard(folder, start=a, end=b) for a, b in ((0, 2), (2, 4), (4, 6))]
+    middle = cast(list[tuple[str, mx.array]], tree_flatten(stages[1].parameters()))
+    assert all(re.search(r"\.[23]\.", name) for name, _ in middle)  # no embedding, norm or head
+    whole_cache, caches = make_prompt_cache(whole), [stage.make_cache() for stage in stages]
+    ids = mx.random.randint(0, 1000, (1, 17), key=mx.random.key(1))
+    for chunk in [ids[:, i : i + 5] for i in range(0, 17, 5)] + [ids[:, i : i + 1] for i in range(3)]:
+        h = chunk
+        for stage, cache in zip(stages, caches, strict=True):
+            h = stage.forward(h, cache)
+        expected = whole(chunk, cache=whole_cache)
+        assert mx.allclose(h, expected, atol=1e-5).item(), family

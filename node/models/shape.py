@@ -3,11 +3,13 @@
 The weights' sizes come from the safetensors headers (an 8-byte little-endian length, then that
 much JSON naming each tensor's dtype, shape and byte range); no tensor is read. Each tensor goes to:
 
-    model.layers.N.*                        layer N (also `backbone.layers.N`, `model.layers.layers.N`)
-    model.embed_tokens.*                    the embedding (any `model.`/`backbone.` module named
-                                            *embed* but not *norm*: tok_embeddings, embeddings ...)
-    model.norm.*, lm_head.*, output.*       the head (with any other `model.`/`backbone.` module:
-                                            final_layernorm, lfm2's embedding_norm ...)
+    model.layers.N.*                        layer N (also `model.h.N`, `transformer.h.N`,
+                                            `backbone.layers.N`, `model.layers.layers.N` ...)
+    model.embed_tokens.*                    the embedding (also `tok_embeddings`, `word_embeddings`,
+                                            `embeddings`, `embed_in`, `wte`, position `wpe`)
+    model.norm.*, lm_head.*, output.*       the head (with any other module of `model.`,
+                                            `backbone.`, `transformer.`: final_layernorm,
+                                            lfm2's embedding_norm, gpt_neox's embed_out ...)
 
 (a `language_model.` prefix, as vision-language checkpoints have, is ignored). Layers numbered past
 `num_hidden_layers` (e.g. a multi-token-prediction layer) are not loaded by mlx-lm and not counted.
@@ -84,13 +86,20 @@ UNSPLITTABLE = {
     "rwkv7": "its layers hand the first layer's value state on to every later layer",
     "kimi_k3": "its layers hand block-attention residuals on along with the hidden state",
     "muse_spark": "each layer hands the next its normalized attention input",
+    "bailing_moe_linear": "its linear-attention layers take their position from an attention layer's cache",
+    "talkie": "its layers take the token embedding as an input besides the hidden state",
+    "deepseek_v41": "its layers pass several residual streams (hyper-connections), not one hidden state",
+    "iquestloopcoder": "it runs its layers twice over (a loop), calling their parts itself",
 }
 """mlx-lm model types a pipeline stage cannot run (`node.pipeline.generic`), with why: their layers
-need more than the hidden state at a cut. mlx-lm 0.32.2; checked by splitting tiny random models
-in process, except kimi_k3 and muse_spark (read in the source: their loops unpack a pair)."""
+need more than the hidden state at a cut. mlx-lm 0.32.2; each checked by splitting a tiny random
+model in process, except kimi_k3 and muse_spark (read in the source: their loops unpack a pair)."""
 
-_LAYER = re.compile(r"(?:model|backbone)\.(?:layers\.)?layers\.(\d+)\.")
-_DECODER = ("model.", "backbone.")
+_LAYER = re.compile(r"(?:model|backbone|transformer)\.(?:layers\.)?(?:layers|h|blocks)\.(\d+)\.")
+_DECODER = ("model.", "backbone.", "transformer.")
+_EMBEDDINGS = frozenset(
+    {"embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "embed_in", "wte", "wpe"}
+)
 _HEAD = ("lm_head.", "output.")
 
 
@@ -158,11 +167,8 @@ def model_shape(
 
 
 def _is_embedding(name: str) -> bool:
-    """A tensor of the token embedding: a module of the decoder named *embed* (not a norm)."""
-    if not name.startswith(_DECODER):
-        return False
-    module = name.split(".")[1]
-    return "embed" in module and "norm" not in module
+    """A tensor of the token (or position) embedding, which the first stage holds."""
+    return name.startswith(_DECODER) and name.split(".")[1] in _EMBEDDINGS
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:

@@ -35,9 +35,10 @@ from node.models.shape import UNSPLITTABLE
 from node.pipeline.mlx_lm_quirks import cache_kind, decoder_owner, full_cache, is_embedding, plain_attributes
 from node.pipeline.shard import Shard, ShardError, ShardSpec
 
-HEAD_NAMES = ("lm_head", "output")
-"""The output head's attribute on the outer model (dropped by stages before the last)."""
-NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f", "embedding_norm")
+HEAD_NAMES = ("lm_head", "output", "embed_out")
+"""The output head's attribute on the outer model or the module owning the layers (gpt_neox's
+`embed_out`), dropped by stages before the last."""
+NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "final_norm", "norm_f", "embedding_norm")
 """The final norm's attribute on the module owning the layers (dropped likewise; lfm2's final norm
 is its `embedding_norm`)."""
 
@@ -109,13 +110,21 @@ class GenericShard(Shard):
     """A stage of any decoder-layer model; the same interface as `Shard` (which see)."""
 
     def __init__(
-        self, spec: ShardSpec, *, net: nn.Module, owner: nn.Module, cut: Any, config: dict[str, Any]
+        self,
+        spec: ShardSpec,
+        *,
+        net: nn.Module,
+        owner: nn.Module,
+        key: str,
+        cut: Any,
+        config: dict[str, Any],
     ):
         nn.Module.__init__(self)
         self.spec = spec
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_cut", cut)
         object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_key", key)
         self.net = net  # the whole pruned model: the only child, so parameters are named once
         template = full_cache(net)
         kinds = [cache_kind(c) for c in template]
@@ -133,7 +142,7 @@ class GenericShard(Shard):
     def layers(self) -> list[nn.Module]:  # type: ignore[override]
         """This stage's own layers (what `node.cpu` wraps for prefill and decode)."""
         owner: nn.Module = object.__getattribute__(self, "_owner")
-        return list(owner["layers"][self.spec.start : self.spec.end])
+        return list(owner[object.__getattribute__(self, "_key")][self.spec.start : self.spec.end])
 
     def make_cache(self) -> list[Any]:
         return full_cache(self.net)[self.spec.start : self.spec.end]
@@ -172,18 +181,18 @@ def generic_shard(model: nn.Module, config: dict[str, Any], *, start: int, end: 
     family = str(config.get("model_type"))
     if family in UNSPLITTABLE:
         raise ShardError(f"model type {family!r} cannot be split into stages: {UNSPLITTABLE[family]}")
-    owner, outer = decoder_owner(model)
+    owner, key, outer = decoder_owner(model)
     if owner is None:
         raise ShardError(f"model type {family!r} ({type(model).__module__}) has no list of decoder layers")
-    layers = list(owner["layers"])
+    layers = list(owner[key])
     spec = ShardSpec(start, len(layers) if end is None else end, len(layers))
     cut = _Cut()
     for i in range(len(layers)):
         if not spec.start <= i < spec.end:
             role = "inject" if i == spec.start - 1 else "capture" if i == spec.end else "pass"
             layers[i] = _SkippedLayer(cut, role, layers[i])
-    owner["layers"] = layers
-    tied = not any(name in outer for name in HEAD_NAMES)
+    owner[key] = layers
+    tied = not any(name in module for name in HEAD_NAMES for module in (outer, owner))
     if not (spec.is_first or (spec.is_last and tied)):
         for name, child in list(owner.children().items()):
             if is_embedding(child):
@@ -193,6 +202,7 @@ def generic_shard(model: nn.Module, config: dict[str, Any], *, start: int, end: 
             if name in owner:
                 owner[name] = _Passthrough()
         for name in HEAD_NAMES:
-            if name in outer:
-                outer[name] = _Passthrough()
-    return GenericShard(spec, net=model, owner=owner, cut=cut, config=config)
+            for module in (outer, owner):
+                if name in module:
+                    module[name] = _Passthrough()
+    return GenericShard(spec, net=model, owner=owner, key=key, cut=cut, config=config)

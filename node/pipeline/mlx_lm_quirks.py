@@ -3,8 +3,9 @@
 `node.pipeline.generic` calls only these helpers; when mlx-lm changes one of these facts, the fix
 is here.
 
-- `decoder_owner`: a model's decoder layers are the `layers` list of one module (`Model.model` in
-  llama, gemma3_text, phi3, qwen3_moe, gpt_oss), which also holds the embedding and final norm;
+- `decoder_owner`: a model's decoder layers are a list of one module (`Model.model.layers` in
+  llama, gemma3_text, phi3, qwen3_moe, gpt_oss; `transformer.h` in nanochat, `model.blocks` in
+  talkie), which also holds the embedding and final norm;
   the outer `Model` holds the head (`lm_head`), absent when tied (gemma3_text's `sanitize` pops
   it). `Model.layers` is a property returning that list, or a copy of it for models with
   `pipeline.PipelineMixin` (qwen3_moe: `pipeline_layers`, all layers until `pipeline()` is called,
@@ -15,6 +16,8 @@ is here.
 - `cache_kind`: masks are built by `base.create_attention_mask(h, cache[i])`, which calls
   `cache.make_mask(N, ...)`; that depends only on the cache's type, `offset`, `max_size` and `_idx`
   (`RotatingKVCache.make_mask`). Caches of one kind in one stage are always in the same state.
+  A layer's `CacheList` (baichuan_m1: a convolution state and a full or sliding `KVCache`) is of
+  the kind of its parts: the model reads the mask off `cache[i][1]`.
 - `plain_attributes`: besides calling its layers, a model's own loop and `make_cache` read only
   plain attributes of them and their submodules (llama's `use_sliding`, qwen3_next's `is_linear`,
   exaone4's `self_attn.is_local`).
@@ -30,24 +33,26 @@ from typing import Any
 import mlx.nn as nn
 
 
-def decoder_owner(model: nn.Module) -> tuple[nn.Module | None, nn.Module]:
-    """The module whose `layers` list is the model's decoder layers (None if there is none), and
-    the outer model."""
+def decoder_owner(model: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:
+    """The module holding the model's decoder layers as a list (None if there is none), the
+    attribute that list is under, and the outer model."""
     try:
         layers = model.layers
     except AttributeError:
-        return None, model
+        return None, "", model
     if not isinstance(layers, list) or not layers:
-        return None, model
+        return None, "", model
     for _, module in model.named_modules():
-        held = module.get("layers") if isinstance(module, nn.Module) else None
-        if (
-            isinstance(held, list)
-            and len(held) == len(layers)
-            and all(a is b for a, b in zip(held, layers, strict=True))
-        ):
-            return module, model
-    return None, model
+        if not isinstance(module, nn.Module):
+            continue
+        for key, held in module.items():
+            if (
+                isinstance(held, list)
+                and len(held) == len(layers)
+                and all(a is b for a, b in zip(held, layers, strict=True))
+            ):
+                return module, key, model
+    return None, "", model
 
 
 def full_cache(model: nn.Module) -> list[Any]:
@@ -58,7 +63,10 @@ def full_cache(model: nn.Module) -> list[Any]:
 
 
 def cache_kind(cache: Any) -> Hashable:
-    """What decides the masks a cache makes, besides its position."""
+    """What decides the masks a cache makes, besides its position (a `CacheList`: its parts')."""
+    parts = getattr(cache, "caches", None)
+    if isinstance(parts, list | tuple):
+        return (type(cache), tuple(cache_kind(part) for part in parts))
     return (type(cache), getattr(cache, "max_size", None), getattr(cache, "keep", None))
 
 
