@@ -1,5 +1,6 @@
-// Prefill products of affine weights on AVX-512 VNNI, without sgemm: int16 activations (rounded per
-// group, as decode's) times the 4-bit or 8-bit weight values by `vpdpwssd`, whose 32 products an
+// Prefill products of affine and MXFP4 weights on AVX-512 VNNI, without sgemm: int16 activations
+// (rounded per group, as decode's) times the 4-bit or 8-bit weight values (MXFP4: its codes as
+// kE2M1x2's signed values, through a 16-lane table) by `vpdpwssd`, whose 32 products an
 // instruction at the FMA's rate are twice sgemm's 16, and which reads weights at 2 bytes each
 // instead of a dequantized tile's 4.
 //
@@ -53,21 +54,25 @@ void pack_panel(const Weights& w, int n0, Panel& p) {
       p.b[g * kGemmRows + r] = w.biases ? scale1(w.biases, w.scale_type, at + g) : z * s;
     }
   }
-  const __m512i lo4 = _mm512_set1_epi32(0x0f), lo8 = _mm512_set1_epi32(0xff);
+  const __m512i lo4 = _mm512_set1_epi32(0x0f), lo8 = _mm512_set1_epi32(0xff), lo16 = _mm512_set1_epi32(0xffff);
+  // MXFP4: each nibble's kE2M1x2 value, sign-extended to 32 bits, is lane `nibble` of this table.
+  const __m512i fp4 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2)));
+  const bool four = quant_bits(w.format) == 4, mx4 = w.format == Format::Mxfp4;
   for (int r0 = 0; r0 < kGemmRows; r0 += 16) {  // rows past N: a masked gather reads nothing, gives 0
     const __mmask16 live = static_cast<__mmask16>((1u << std::clamp(rows - r0, 0, 16)) - 1);
     const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(static_cast<int>(w.row_bytes)));
     const uint8_t* base = w.data + static_cast<long>(n0 + r0) * w.row_bytes;
     int32_t* out = p.q.data() + r0;
-    const int per_dword = w.format == Format::Affine4 ? 8 : 4;  // weights
+    const int per_dword = four ? 8 : 4;  // weights
     for (int k = 0; k < K; k += per_dword) {
-      const int byte = w.format == Format::Affine4 ? k / 2 : k;
+      const int byte = four ? k / 2 : k;
       const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + byte, 1);
-      if (w.format == Format::Affine4) {
+      if (four) {
         for (int j = 0; j < 4; j++) {  // pair j: nibbles 2j (low half) and 2j + 1 (high half)
-          const __m512i a = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), lo4);
-          const __m512i b = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + 4), lo4);
+          __m512i a = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), lo4);
+          __m512i b = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + 4), lo4);
+          if (mx4) a = _mm512_and_si512(_mm512_permutexvar_epi32(a, fp4), lo16), b = _mm512_permutexvar_epi32(b, fp4);
           const __m512i pair = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
           _mm512_storeu_si512(out + static_cast<long>(k / 2 + j) * kGemmRows, pair);
         }

@@ -7,7 +7,7 @@
 //   multiplied by a single-threaded OpenBLAS sgemm. Dequantizing costs K floats per weight row,
 //   the sgemm 2 * M * K flops, so for M > 8 the tile is nearly free and the speed is sgemm's.
 //   Without a BLAS library the rows kernel runs over x in blocks of kMaxRows rows instead.
-//   Kernels with a `gemm` of their own (AVX-512 VNNI) run it for affine weights instead: x
+//   Kernels with a `gemm` of their own (AVX-512 VNNI) run it for affine and MXFP4 weights instead: x
 //   rounded to int16 once, then one task per panel of kGemmRows weight rows.
 #include "matmul.h"
 
@@ -181,7 +181,7 @@ const float* row_major(const mx::array& x, std::vector<float>& copy) {
 
 void product(const Weights& w, const float* x, int M, float* y) {
   const Kernels& k = active_kernels();
-  if (M > kMaxRows && k.gemm && is_grouped(w.format) && w.format != Format::Mxfp4) {
+  if (M > kMaxRows && k.gemm && is_grouped(w.format)) {
     gemm_product(k, w, x, M, y);
   } else if (M > kMaxRows && sgemm) {
     tiled_product(w, x, M, y);
