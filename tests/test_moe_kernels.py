@@ -117,6 +117,55 @@ def test_moe_mlp_matches_the_plain_reference(activation: str, kind: str, bias: b
     assert mx.array_equal(again.reshape(tokens, dim), got)
 
 
+def _routing(logits: np.ndarray, routing: str, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's top TOP experts and their scores, as qwen3_moe ('softmax_topk') or gpt_oss route."""
+    idx = np.argsort(-logits, axis=-1, kind="stable")[:, :TOP]
+    top = np.take_along_axis(logits, idx, axis=-1)
+    if routing == "topk_softmax":
+        e = np.exp(top - top.max(-1, keepdims=True))
+        return idx, e / e.sum(-1, keepdims=True)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    scores = np.take_along_axis(p / p.sum(-1, keepdims=True), idx, axis=-1)
+    return idx, scores / scores.sum(-1, keepdims=True) if norm else scores
+
+
+@pytest.mark.parametrize(
+    "routing, norm", [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False)]
+)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_match_moe_routed_routes_as_the_reference(routing: str, norm: bool, tokens: int) -> None:
+    """The router inside the operation (8-bit g64 weights; gpt_oss's with a bias) against float64
+    routing of the dequantized router, then the same expert MLP."""
+    mx.random.seed(10 + tokens)
+    dim, ffn = 448, 192
+    kind, act = ("mxfp4", "swiglu_oai") if routing == "topk_softmax" else ("affine4", "swiglu")
+    projections = [_projection(ffn, dim, kind, True), _projection(ffn, dim, kind, True)]
+    projections.append(_projection(dim, ffn, kind, True))
+    wq, scales, biases = mx.quantize(mx.random.normal((EXPERTS, dim)) * 0.03, group_size=64, bits=8)
+    bias = mx.random.normal((EXPERTS,)) if routing == "topk_softmax" else None
+    router = (wq, scales, biases, bias, 64, 8)
+    x = mx.random.normal((tokens, dim))
+    dense = np.array(mx.dequantize(wq, scales, biases, group_size=64, bits=8), dtype=np.float64)
+    logits = np.array(x, dtype=np.float64) @ dense.T + (
+        0 if bias is None else np.array(bias, dtype=np.float64)
+    )
+    idx, scores = _routing(logits, routing, norm)
+    got = _kernels().moe_routed(
+        x,
+        router,
+        *projections,
+        top_k=TOP,
+        routing=routing,
+        norm_topk_prob=norm,
+        activation=act,
+        alpha=ALPHA,
+        limit=LIMIT,
+    )
+    want = _reference(x, mx.array(idx), mx.array(scores.astype(np.float32)), projections, act)
+    assert got.shape == x.shape
+    assert np.abs(np.array(got, dtype=np.float64) - want).max() / np.abs(want).max() < TOLERANCE
+
+
 def test_match_a_token_choosing_one_expert_twice_and_an_index_outside_adds_nothing() -> None:
     mx.random.seed(1)
     projections = [_projection(64, 128, "affine4", False) for _ in range(2)]
@@ -146,6 +195,11 @@ def test_bad_arguments_are_clear() -> None:
         k.moe_mlp(x, idx, mx.ones((1, 3)), gate, gate, down)
     with pytest.raises(ValueError, match="gate and up"):
         k.moe_mlp(x, idx, scores, gate, _projection(64, 128, "mxfp4", False), down)
+    router = (*mx.quantize(mx.zeros((EXPERTS, 128)), group_size=64, bits=8), None, 64, 8)
+    with pytest.raises(ValueError, match="routing"):
+        k.moe_routed(x, router, gate, gate, down, top_k=2, routing="sigmoid")
+    with pytest.raises(ValueError, match="top_k"):
+        k.moe_routed(x, router, gate, gate, down, top_k=EXPERTS + 1, routing="topk_softmax")
 
 
 @pytest.mark.parametrize("isa", CAPS)

@@ -32,6 +32,11 @@ NB_MODULE(_kernels, m) {
         "activation"_a = "swiglu", "alpha"_a = 1.702f, "limit"_a = 7.0f, "stream"_a = nb::none(),
         "sum_j scores[..., j] * down(act(gate(x), up(x))) over each token's experts indices[..., j], in one "
         "operation (activation 'swiglu' or gpt_oss's 'swiglu_oai'); float32 [..., D].");
+  m.def("moe_routed", &shoal::moe_routed, "x"_a, "router"_a, "gate"_a, "up"_a, "down"_a, nb::kw_only(), "top_k"_a,
+        "routing"_a, "norm_topk_prob"_a = false, "activation"_a = "swiglu", "alpha"_a = 1.702f, "limit"_a = 7.0f,
+        "stream"_a = nb::none(),
+        "moe_mlp with the router inside: logits = router(x), each token's top_k experts and scores by `routing` "
+        "('softmax_topk': qwen3_moe, 'topk_softmax': gpt_oss); float32 [..., D].");
   m.def("set_blas_library", &shoal::set_blas_library, "path"_a,
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });

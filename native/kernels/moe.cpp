@@ -4,6 +4,8 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
@@ -164,6 +166,37 @@ void moe_block(const BoundExperts& gate, const BoundExperts& up, const BoundExpe
   }
 }
 
+// Each token's top k experts and scores from its logits [T, E] (ties: the lower index; NaN lowest).
+void route(const float* logits, int T, int E, const RouterDesc& r, uint32_t* indices, float* scores) {
+  thread_local std::vector<int> order;
+  order.resize(E);
+  const int k = r.top_k;
+  for (int t = 0; t < T; t++) {
+    const float* l = logits + static_cast<long>(t) * E;
+    auto key = [&](int e) { return std::isnan(l[e]) ? -std::numeric_limits<float>::infinity() : l[e]; };
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int a, int b) { return key(a) > key(b) || (key(a) == key(b) && a < b); });
+    uint32_t* it = indices + static_cast<long>(t) * k;
+    float* st = scores + static_cast<long>(t) * k;
+    const float top = key(order[0]);
+    float chosen = 0.0f, all = 0.0f;
+    for (int j = 0; j < k; j++) {
+      it[j] = static_cast<uint32_t>(order[j]);
+      st[j] = std::exp(key(order[j]) - top);
+      chosen += st[j];
+    }
+    if (r.routing == Routing::SoftmaxTopK) {  // probabilities over all experts; then renormalized if asked
+      for (int e = 0; e < E; e++) all += std::exp(key(e) - top);
+      for (int j = 0; j < k; j++) st[j] /= all;
+      if (r.norm)
+        for (int j = 0; j < k; j++) st[j] /= chosen / all;
+    } else {
+      for (int j = 0; j < k; j++) st[j] /= chosen;
+    }
+  }
+}
+
 ExpertDesc describe_experts(const ExpertProjection& p, const char* what) {
   const auto& [w, scales, biases, bias, group_size, bits] = p;
   ExpertDesc d{expert_spec(w, scales, biases, group_size, bits, what), w.shape(0), biases.has_value(),
@@ -219,31 +252,77 @@ mx::array moe_mlp(const mx::array& x, const mx::array& indices, const mx::array&
                                 mx::contiguous(mx::astype(indices, mx::uint32, s), false, s),
                                 mx::contiguous(mx::astype(scores, mx::float32, s), false, s)};
   push_experts(gate, inputs, s), push_experts(up, inputs, s), push_experts(down, inputs, s);
-  auto primitive = std::make_shared<MoeMlp>(mx::to_stream(s), g, u, d, act, alpha, limit);
+  auto primitive = std::make_shared<MoeMlp>(mx::to_stream(s), std::nullopt, g, u, d, act, alpha, limit);
+  return mx::array(x.shape(), mx::float32, primitive, std::move(inputs));
+}
+
+mx::array moe_routed(const mx::array& x, const Projection& router, const ExpertProjection& gate,
+                     const ExpertProjection& up, const ExpertProjection& down, int top_k, const std::string& routing,
+                     bool norm_topk_prob, const std::string& activation, float alpha, float limit,
+                     mx::StreamOrDevice s) {
+  if (x.ndim() < 1) throw std::invalid_argument("[shoal_moe_mlp] x must be [..., D]");
+  const ProjectionDesc r = describe(router, x.shape(-1), "router");
+  if (routing != "softmax_topk" && routing != "topk_softmax")
+    throw std::invalid_argument("[shoal_moe_mlp] routing must be 'softmax_topk' or 'topk_softmax'");
+  if (top_k < 1 || top_k > r.spec.N)
+    throw std::invalid_argument("[shoal_moe_mlp] top_k must be in [1, experts]");
+  // The expert checks are moe_mlp's, on a stand-in for the indices and scores it would get.
+  mx::Shape lead(x.shape().begin(), x.shape().end() - 1);
+  lead.push_back(top_k);
+  const mx::array stand_in = mx::zeros(lead, mx::uint32, s);
+  const mx::array checked = moe_mlp(x, stand_in, mx::zeros(lead, mx::float32, s), gate, up, down, activation, alpha,
+                                    limit, s);
+  auto base = std::static_pointer_cast<MoeMlp>(checked.primitive_ptr());
+  std::vector<mx::array> inputs{checked.inputs()[0]};
+  push(router, inputs, s);
+  for (size_t i = 3; i < checked.inputs().size(); i++) inputs.push_back(checked.inputs()[i]);
+  const RouterDesc desc{r, top_k, routing == "softmax_topk" ? Routing::SoftmaxTopK : Routing::TopKSoftmax,
+                        norm_topk_prob};
+  auto primitive = std::make_shared<MoeMlp>(mx::to_stream(s), desc, base->gate_desc(), base->up_desc(),
+                                            base->down_desc(), base->activation(), alpha, limit);
   return mx::array(x.shape(), mx::float32, primitive, std::move(inputs));
 }
 
 void MoeMlp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const mx::array &x = inputs[0], &indices = inputs[1], &scores = inputs[2];
+  const mx::array& x = inputs[0];
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  size_t at = 3;
+  size_t at = router_ ? 1 : 3;
+  std::optional<Bound> router;
+  if (router_) router = bound_at(router_->router, inputs, at);
   const BoundExperts gate = bind_experts(gate_, inputs, at), up = bind_experts(up_, inputs, at),
                      down = bind_experts(down_, inputs, at);
-  const int D = x.shape(-1), k = indices.shape(-1);
+  const int D = x.shape(-1), k = router_ ? router_->top_k : inputs[1].shape(-1);
   const int T = static_cast<int>(x.size() / std::max(D, 1));
+  const uint32_t* given_indices = router_ ? nullptr : inputs[1].data<uint32_t>();
+  const float* given_scores = router_ ? nullptr : inputs[2].data<float>();
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
-  encoder.dispatch([gate, up, down, act = activation_, alpha = alpha_, limit = limit_,
-                    x = mx::array::unsafe_weak_copy(x), indices = mx::array::unsafe_weak_copy(indices),
-                    scores = mx::array::unsafe_weak_copy(scores), y = out.data<float>(), T, D, k]() {
+  encoder.dispatch([gate, up, down, router, routing = router_, act = activation_, alpha = alpha_, limit = limit_,
+                    x = mx::array::unsafe_weak_copy(x), given_indices, given_scores, y = out.data<float>(), T, D,
+                    k]() {
     thread_local Scratch scratch;
+    thread_local std::vector<float> logits, chosen_scores;
+    thread_local std::vector<uint32_t> chosen;
+    const float* xs = x.data<float>();
+    const uint32_t* indices = given_indices;
+    const float* scores = given_scores;
+    if (router && T > 0) {  // logits = x @ W.T + bias, then each token's experts
+      const int E = router->weights.N;
+      logits.resize(static_cast<size_t>(T) * E);
+      product(router->weights, xs, T, logits.data());
+      if (router->bias)
+        for (int t = 0; t < T; t++)
+          for (int e = 0; e < E; e++) logits[static_cast<size_t>(t) * E + e] += router->bias[e];
+      chosen.resize(static_cast<size_t>(T) * k), chosen_scores.resize(chosen.size());
+      route(logits.data(), T, E, *routing, chosen.data(), chosen_scores.data());
+      indices = chosen.data(), scores = chosen_scores.data();
+    }
     for (int t0 = 0; t0 < T; t0 += kMaxRows) {
       const int n = std::min(kMaxRows, T - t0);
-      moe_block(gate, up, down, act, alpha, limit, x.data<float>() + static_cast<long>(t0) * D,
-                indices.data<uint32_t>() + static_cast<long>(t0) * k, scores.data<float>() + static_cast<long>(t0) * k,
-                n, k, y + static_cast<long>(t0) * D, scratch);
+      moe_block(gate, up, down, act, alpha, limit, xs + static_cast<long>(t0) * D, indices + static_cast<long>(t0) * k,
+                scores + static_cast<long>(t0) * k, n, k, y + static_cast<long>(t0) * D, scratch);
     }
   });
 }
@@ -254,6 +333,15 @@ void MoeMlp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 bool MoeMlp::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const MoeMlp&>(other);
+  if (router_.has_value() != o.router_.has_value()) return false;
+  if (router_) {
+    const RouterDesc &a = *router_, &b = *o.router_;
+    const WeightSpec &sa = a.router.spec, &sb = b.router.spec;
+    if (a.top_k != b.top_k || a.routing != b.routing || a.norm != b.norm || sa.format != sb.format ||
+        sa.group_size != sb.group_size || sa.N != sb.N || sa.K != sb.K || a.router.biases != b.router.biases ||
+        a.router.bias != b.router.bias)
+      return false;
+  }
   return same(gate_, o.gate_) && same(up_, o.up_) && same(down_, o.down_) && activation_ == o.activation_ &&
          alpha_ == o.alpha_ && limit_ == o.limit_;
 }

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "gather.h"
+#include "layers.h"
 
 namespace shoal {
 
@@ -34,11 +35,24 @@ struct ExpertDesc {
   bool biases, bias;
 };
 
+// How `moe_routed` picks each token's experts from its router logits (x @ W.T + bias):
+// - SoftmaxTopK (qwen3_moe): softmax over all experts, the k largest probabilities as scores
+//   (divided by their sum when `norm`);
+// - TopKSoftmax (gpt_oss): the k largest logits, softmax over those k as scores.
+enum class Routing { SoftmaxTopK, TopKSoftmax };
+struct RouterDesc {
+  ProjectionDesc router;
+  int top_k;
+  Routing routing;
+  bool norm;
+};
+
 class MoeMlp : public mx::Primitive {
  public:
-  MoeMlp(mx::Stream stream, ExpertDesc gate, ExpertDesc up, ExpertDesc down, Activation activation, float alpha,
-         float limit)
+  MoeMlp(mx::Stream stream, std::optional<RouterDesc> router, ExpertDesc gate, ExpertDesc up, ExpertDesc down,
+         Activation activation, float alpha, float limit)
       : mx::Primitive(stream),
+        router_(std::move(router)),
         gate_(gate),
         up_(up),
         down_(down),
@@ -51,8 +65,13 @@ class MoeMlp : public mx::Primitive {
   const char* name() const override { return "ShoalMoeMlp"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  const ExpertDesc& gate_desc() const { return gate_; }
+  const ExpertDesc& up_desc() const { return up_; }
+  const ExpertDesc& down_desc() const { return down_; }
+  Activation activation() const { return activation_; }
 
  private:
+  std::optional<RouterDesc> router_;  // absent: indices and scores are inputs
   ExpertDesc gate_, up_, down_;
   Activation activation_;
   float alpha_, limit_;
@@ -66,5 +85,12 @@ class MoeMlp : public mx::Primitive {
 mx::array moe_mlp(const mx::array& x, const mx::array& indices, const mx::array& scores, const ExpertProjection& gate,
                   const ExpertProjection& up, const ExpertProjection& down, const std::string& activation,
                   float alpha, float limit, mx::StreamOrDevice s = {});
+
+// moe_mlp with the routing inside the same operation: router (a Projection, [E, D]) gives each
+// token's logits, `routing` ("softmax_topk" or "topk_softmax", see Routing) its top_k experts and scores.
+mx::array moe_routed(const mx::array& x, const Projection& router, const ExpertProjection& gate,
+                     const ExpertProjection& up, const ExpertProjection& down, int top_k, const std::string& routing,
+                     bool norm_topk_prob, const std::string& activation, float alpha, float limit,
+                     mx::StreamOrDevice s = {});
 
 }  // namespace shoal

@@ -5,8 +5,9 @@ activation and, in the block around it, the weighting by the router's scores and
 MLX operation that costs 10-20 us of scheduling on the CPU, as much as the products of a small
 expert. `fuse_moe_blocks` gives each qwen3_moe `Qwen3MoeSparseMoeBlock` and gpt_oss `MLPBlock`
 whose experts all run on the kernels (`expert_layers.KernelSwitchLinear`) a `__call__` that
-routes as mlx-lm does, then hands x, the chosen experts and their scores to `moe_mlp` (gate and
-up of every chosen expert as one pool job, the activation, down, the weighted sum). Inputs of
+hands x to `moe_routed`: the router product, each token's top k and scores as mlx-lm computes
+them, then gate and up of every chosen expert as one pool job, the activation, down, the weighted
+sum. A router not on the kernels routes in MLX ops, then `moe_mlp` does the rest. Inputs of
 more than `MAX_TOKENS` tokens (prefill) keep mlx-lm's path, which groups many tokens by expert.
 
 Like `fused_layers`, only the block's class changes (a mixin in front): parameters, modules and
@@ -21,7 +22,9 @@ from typing import Any
 import mlx.core as mx
 
 from node.cpu.expert_layers import KernelSwitchLinear
+from node.cpu.fused_layers import _projection as _router_projection
 from node.cpu.fused_layers import fused_layers_enabled
+from node.cpu.kernel_layers import KernelQuantizedLinear
 
 MAX_TOKENS = 8
 """Tokens up to which a block runs as one operation (the kernels' row block, kMaxRows): decode and
@@ -90,29 +93,35 @@ class _FusedMoe:
             return super().__call__(x)  # type: ignore[misc]
         block: Any = self
         experts = _experts(block)
-        if "switch_mlp" in block:  # qwen3_moe: softmax over all experts, the top k renormalized
-            gates = mx.softmax(block["gate"](x), axis=-1, precise=True)
-            k = block.top_k
+        qwen = "switch_mlp" in block  # qwen3_moe: softmax over all experts, the top k (renormalized)
+        router = block["gate"] if qwen else block["router"]  # gpt_oss: the top k logits, softmax over them
+        k = block.top_k if qwen else block.num_experts_per_tok
+        name, alpha, limit = _activation(block) or ("swiglu", 1.0, 0.0)
+        projections = [_projection(experts[p]) for p in ("gate_proj", "up_proj", "down_proj")]
+        if isinstance(router, KernelQuantizedLinear):  # the routing inside the same operation
+            return self._kernels.moe_routed(
+                x,
+                _router_projection(router),
+                *projections,
+                top_k=k,
+                routing="softmax_topk" if qwen else "topk_softmax",
+                norm_topk_prob=bool(qwen and block.norm_topk_prob),
+                activation=name,
+                alpha=alpha,
+                limit=limit,
+            )
+        if qwen:
+            gates = mx.softmax(router(x), axis=-1, precise=True)
             indices = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
             scores = mx.take_along_axis(gates, indices, axis=-1)
             if block.norm_topk_prob:
                 scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        else:  # gpt_oss: the top k logits, softmax over them
-            logits = block["router"](x)
-            k = block.num_experts_per_tok
+        else:
+            logits = router(x)
             indices = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
             scores = mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
-        name, alpha, limit = _activation(block) or ("swiglu", 1.0, 0.0)
         return self._kernels.moe_mlp(
-            x,
-            indices,
-            scores,
-            _projection(experts["gate_proj"]),
-            _projection(experts["up_proj"]),
-            _projection(experts["down_proj"]),
-            activation=name,
-            alpha=alpha,
-            limit=limit,
+            x, indices, scores, *projections, activation=name, alpha=alpha, limit=limit
         )
 
 
