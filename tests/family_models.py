@@ -25,6 +25,7 @@ Family = Literal[
     "nanochat",
     "baichuan_m1",
     "gpt_neox",
+    "gptj",
 ]
 
 _SHARED: dict[str, Any] = {
@@ -121,6 +122,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
     },
     # The head `embed_out` and `final_layer_norm` sit beside the layers; partial rotary.
     "gpt_neox": {"layer_norm_eps": 1e-5, "rotary_emb_base": 10_000, "rotary_pct": 0.25},
+    # Its loop passes the hidden state by name (`block(inputs=h, ...)`).
+    "gptj": {"n_embd": 64, "n_head": 4, "n_layer": 6, "rotary_dim": 8, "n_positions": 2048},
 }
 
 

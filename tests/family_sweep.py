@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.family_sweep [family ...]
 
-Not part of the suite (78 families, ~1 min): run it when mlx-lm changes. Each family's tiny random
+Not part of the suite (83 families, ~1 min): run it when mlx-lm changes. Each family's tiny random
 model (hidden 64, 6 layers, vocabulary 512, float32) is cut at [3], [2, 4] and [1, 5] with
 `node.pipeline.generic.generic_shard`; a 23-token prompt is prefilled in chunks of 5, then 10
 tokens are decoded one at a time (the same random tokens fed to both), and every decode step's
@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from node.pipeline.generic import generic_shard
-from node.pipeline.mlx_lm_quirks import decoder_owner, full_cache
+from node.pipeline.mlx_lm_quirks import decoder_owner, full_cache, hidden_state_parameter
 from tests.model_factory import _random_parameters
 
 VOCAB = 512
@@ -103,7 +103,10 @@ def check(family: str, decode: int = 10) -> dict[str, str]:
     owner, key, _ = decoder_owner(skipped)
     assert owner is not None
     layer = owner[key][n // 2]
-    layer.__class__ = type("Skipped", (type(layer),), {"__call__": lambda self, x, *a, **k: x})
+    hidden = hidden_state_parameter(layer)
+    layer.__class__ = type(
+        "Skipped", (type(layer),), {"__call__": lambda self, *a, **k: a[0] if a else k[hidden]}
+    )
     cache = full_cache(skipped)
     result["sens"] = (
         f"{float(mx.max(mx.abs(_logits(lambda x: skipped(x, cache=cache), prompt, feed) - want))):.1e}"

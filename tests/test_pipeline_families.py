@@ -23,7 +23,8 @@ from node.pipeline.shard import ShardError, load_shard
 from tests.family_models import Family, make_family_model
 from tests.test_pipeline import _prompt, ring, run, single_process
 
-STAGE_FAMILIES = [f for f in get_args(Family) if f not in ("nanochat", "baichuan_m1", "gpt_neox")]
+IN_PROCESS = ("nanochat", "baichuan_m1", "gpt_neox", "gptj")
+STAGE_FAMILIES = [f for f in get_args(Family) if f not in IN_PROCESS]
 """Run on real stage processes; the other families are split in process only (`test_in_process`)."""
 
 
@@ -77,13 +78,14 @@ def test_a_middle_stage_holds_only_its_layers(family_dir: Path) -> None:
     assert len(middle.make_cache()) == 2
 
 
-@pytest.mark.parametrize("family", ["nanochat", "baichuan_m1", "gpt_neox"])
+@pytest.mark.parametrize("family", IN_PROCESS)
 def test_in_process_stages_give_the_whole_models_logits(
     family: Family, builtin_model_dir: Path, tmp_path: Path
 ) -> None:
     """Layers under another name (`transformer.h`, `model.h`), caches that are `CacheList`s, a head
-    beside the layers (`embed_out`, which a middle stage does not hold): three stages loaded by
-    `load_shard` give the whole model's logits, in chunks of 5 then token by token."""
+    beside the layers (`embed_out`, which a middle stage does not hold), the hidden state passed by
+    name (gptj): three stages loaded by `load_shard` give the whole model's logits, in chunks of 5
+    then token by token."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 

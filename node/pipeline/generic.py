@@ -32,7 +32,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from node.models.shape import UNSPLITTABLE
-from node.pipeline.mlx_lm_quirks import cache_kind, decoder_owner, full_cache, is_embedding, plain_attributes
+from node.pipeline.mlx_lm_quirks import (
+    cache_kind,
+    decoder_owner,
+    full_cache,
+    hidden_state_parameter,
+    is_embedding,
+    plain_attributes,
+)
 from node.pipeline.shard import Shard, ShardError, ShardSpec
 
 HEAD_NAMES = ("lm_head", "output", "embed_out")
@@ -71,8 +78,10 @@ class _SkippedLayer(_Flags):
         super().__init__(replaced)
         object.__setattr__(self, "_cut", cut)
         self._role = role  # "inject" (layer start - 1), "capture" (layer end) or "pass"
+        self._hidden = hidden_state_parameter(replaced)
 
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        x: mx.array = args[0] if args else kwargs[self._hidden]  # gptj: `block(inputs=h, ...)`
         cut: _Cut = object.__getattribute__(self, "_cut")
         if self._role == "inject":
             assert cut.received is not None

@@ -21,12 +21,14 @@ is here.
 - `plain_attributes`: besides calling its layers, a model's own loop and `make_cache` read only
   plain attributes of them and their submodules (llama's `use_sliding`, qwen3_next's `is_linear`,
   exaone4's `self_attn.is_local`).
+- `hidden_state_parameter`: a layer takes the hidden state first; gptj's loop passes it by name.
 - `is_embedding`: token embeddings are `nn.Embedding` or `nn.QuantizedEmbedding` children of the
   layers' owner.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable
 from typing import Any
 
@@ -81,3 +83,10 @@ def plain_attributes(module: nn.Module) -> dict[str, object]:
         for name, value in vars(module).items()
         if not name.startswith("_") and (value is None or isinstance(value, bool | int | float | str))
     }
+
+
+def hidden_state_parameter(layer: nn.Module) -> str:
+    """The name of a layer's first parameter: the hidden state, which models pass positionally or,
+    like gptj (`block(inputs=h, ...)`), by that name."""
+    parameters = iter(inspect.signature(layer.__call__).parameters)
+    return next(parameters, "x")
