@@ -6,6 +6,10 @@ header check before `shoal run` starts and again for the import. `FastGGUFReader
 array as one view and a string array with `struct` over one memoryview, and gives
 `ReaderField.contents()` parts it reads the same way (`tolist()`, `tobytes()`), so every field
 reads as before. Nested arrays and other fields are gguf-py's own.
+
+This is the one module that touches gguf-py's internals, read from gguf 0.19.0: the private
+`GGUFReader._get_field_parts` (overridden), `_get` and `gguf_scalar_to_np`. tests/test_gguf_reader.py
+compares every field and tensor with gguf-py's own reader, so a gguf release that changes them fails there.
 """
 
 from __future__ import annotations
