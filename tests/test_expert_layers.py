@@ -83,6 +83,7 @@ def test_quantized_experts_stay_as_stored_and_give_the_float32_text(
         loaded = load_model(quantized, vocab_dir=None)
     assert "kept as stored" in caplog.messages[-1] and "dequantized" not in caplog.messages[-1]
     assert "2 expert MLPs one operation at decode" in caplog.messages[-1]  # moe_blocks: moe_mlp
+    assert "2 decoder layers fused" in caplog.messages[-1]  # fused_layers: head, attention, MoE tail
     modules = dict(loaded.model.named_modules())
     experts = [m for m in modules.values() if isinstance(m, KernelSwitchLinear)]
     assert len(experts) == 2 * 3 and all(m.weight.dtype == mx.uint32 for m in experts)
@@ -178,11 +179,13 @@ def test_gpt_oss_mxfp4_experts_and_an_all_mxfp4_llama_give_the_float32_text(
 def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_route(
     builtin_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode through moe_mlp (node/cpu/moe_blocks.py) against the same kernels through mlx-lm's
-    SwitchGLU (SHOAL_FUSED_LAYERS=0): the same greedy text, and for a batch of 3 rows (continuous
-    batching) and 9 (mlx-lm's path) the same block outputs within the int16 rounding."""
+    """Decode through moe_routed (node/cpu/moe_blocks.py) in fused decoder layers against the same
+    kernels through mlx-lm's layers and SwitchGLU (SHOAL_FUSED_LAYERS=0): the same greedy text, and
+    for a batch of 3 rows (continuous batching) and 9 (mlx-lm's path) the same block outputs within
+    the int16 rounding."""
     from mlx_lm.utils import load
 
+    from node.cpu.fused_layers import _FusedBlock
     from node.cpu.moe_blocks import _FusedMoe
 
     source = make_qwen3_moe(tmp_path / "f32", tokenizer_from=builtin_model_dir, seed=2)
@@ -194,6 +197,7 @@ def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_rou
     apply_dtype_policy(plain[0])
     blocks = [layer.mlp for layer in fused[0].layers]
     assert all(isinstance(b, _FusedMoe) for b in blocks)
+    assert all(isinstance(layer, _FusedBlock) for layer in fused[0].layers)
     assert not any(isinstance(layer.mlp, _FusedMoe) for layer in plain[0].layers)
     for prompt in ([1000], list(range(300, 312))):
         assert _greedy_tokens(fused[0], fused[1], prompt, n=24) == _greedy_tokens(

@@ -247,10 +247,11 @@ def _keep_as_stored(
     for name, module in rest:
         model.update_modules(tree_unflatten([(name, _dequantized(module))]))
     _small_to_float32(model)
+    moe = fuse_moe_blocks(model, kernels.module)  # first: fused decoder layers may hold these blocks
     fused = fuse_decoder_layers(model, kernels.module)
     if fused:
         note += f"; {fused} decoder layers fused"
-    if moe := fuse_moe_blocks(model, kernels.module):
+    if moe:
         note += f"; {moe} expert MLPs one operation at decode"
     if stack_decoder(model, kernels.module):
         note += " (a decode step's layers as one operation)"

@@ -8,6 +8,8 @@ build, and mlx-lm's llama / qwen2 / qwen3 layer is ~27 of them per decode step. 
 layout attention reads) and `decoder_tail` (o product, residual, norm, gate/up, silu * up, down,
 residual). In between, a decode step's rope, KV-cache write and attention are one more native
 operation (`decode_attention`); prefill chunks, and caches it does not cover, keep mlx-lm's own.
+qwen3_moe layers (same attention; the MLP a MoE block on `moe_blocks`' one operation) fuse their
+head and attention the same way, their tail as o, residual, norm, that block and residual.
 The result has the bits of the unfused layer (same kernels, same order);
 tests/test_fused_layers.py holds it to that.
 
@@ -33,6 +35,9 @@ from node.cpu.layer_eval import _EvaluatedInPrefill
 
 FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """The mlx-lm architectures whose `TransformerBlock` is the plain pre-norm llama layer fused here."""
+MOE_LAYERS = (("mlx_lm.models.qwen3_moe", "Qwen3MoeDecoderLayer"),)
+"""Layers with qwen3's attention whose MLP is a MoE block on one operation (`moe_blocks`): the head
+and attention fuse as above; the tail is o, the residual, the norm, that block and the residual."""
 
 Projection = tuple[mx.array, mx.array | None, mx.array | None, mx.array | None, int, int]
 
@@ -68,9 +73,18 @@ def _is_norm(module: Any) -> bool:
     return isinstance(module, nn.RMSNorm) and "weight" in module
 
 
+def _moe_layer(layer: Any) -> bool:
+    """A MOE_LAYERS layer whose MLP runs as one operation (`moe_blocks._FusedMoe`)."""
+    kind = (type(layer).__module__, type(layer).__name__)
+    return kind in MOE_LAYERS and getattr(layer.get("mlp"), "fused_moe", False)
+
+
 def is_fusable(layer: Any) -> bool:
     """Whether `layer` is an mlx-lm llama-family block with every product on the kernels."""
-    if type(layer).__name__ != "TransformerBlock" or type(layer).__module__ not in FUSABLE_MODULES:
+    moe = _moe_layer(layer)
+    if not moe and (
+        type(layer).__name__ != "TransformerBlock" or type(layer).__module__ not in FUSABLE_MODULES
+    ):
         return False
     attn, mlp = layer.get("self_attn"), layer.get("mlp")
     if (
@@ -80,7 +94,9 @@ def is_fusable(layer: Any) -> bool:
     ):
         return False
     heads = [attn.get(name) for name in ("q_proj", "k_proj", "v_proj")]
-    tail = [attn.get("o_proj"), mlp.get("gate_proj"), mlp.get("up_proj"), mlp.get("down_proj")]
+    tail = [attn.get("o_proj")]
+    if not moe:
+        tail += [mlp.get("gate_proj"), mlp.get("up_proj"), mlp.get("down_proj")]
     if not all(isinstance(p, KernelQuantizedLinear) for p in heads + tail):
         return False
     if any("bias" in p for p in tail):
@@ -110,7 +126,11 @@ class _FusedBlock:
         out = cached_attention(self._kernels, attn, q, k, v, cache, mask) if length == 1 else None
         if out is None:
             out = self._attention(q, k, v, cache, mask)
-        y = self._kernels.decoder_tail(out, x, *tail_args(block))
+        if _moe_layer(block):  # o + residual, norm, the MoE block (one operation at decode), residual
+            h = x + attn["o_proj"](out)
+            y = h + block["mlp"](block["post_attention_layernorm"](h))
+        else:
+            y = self._kernels.decoder_tail(out, x, *tail_args(block))
         if length > 1 and isinstance(self, _EvaluatedInPrefill):
             mx.eval(y)  # what layer_eval's mixin (now behind this one) would do
         return y

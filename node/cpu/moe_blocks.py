@@ -87,6 +87,7 @@ class _FusedMoe:
     """Mixed in before a fusable block's class: a few tokens go through `moe_mlp`."""
 
     _kernels: ModuleType
+    fused_moe = True  # what fused_layers looks for (it cannot import this module: a cycle)
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] > MAX_TOKENS:
