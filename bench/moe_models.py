@@ -273,9 +273,28 @@ def _mxfp4_experts(path: str, _module: object) -> dict[str, Any] | bool:
     return {"group_size": 32, "bits": 4, "mode": "mxfp4"} if ".experts." in path else True
 
 
+def _requantize_per_expert(proj: Any) -> None:
+    """Fresh random MXFP4 weights for a `QuantizedSwitchLinear`, quantized one expert at a time:
+    MLX's CPU `mx.quantize(mode="mxfp4")` holds ~17x its float input while it runs (a 64 MB
+    tensor peaked at 1.1 GB), so quantizing a layer's experts at once would need tens of GB."""
+    import mlx.core as mx
+
+    experts, rows = proj.weight.shape[:2]
+    columns, bound = proj.input_dims, proj.input_dims**-0.5
+    weights, scales = [], []
+    for _ in range(experts):
+        dense = mx.random.uniform(-bound, bound, (rows, columns))
+        weight, scale, *_ = mx.quantize(dense, proj.group_size, proj.bits, mode=proj.mode)
+        mx.eval(weight, scale)
+        weights.append(weight)
+        scales.append(scale)
+    proj.weight, proj.scales = mx.stack(weights), mx.stack(scales)
+    mx.eval(proj.weight, proj.scales)
+
+
 def prepare_moe_mlx(name: str, small: bool) -> Path:
     """The MLX folder of an MoE row, made and cached when missing (one layer evaluated at a time,
-    so that at most one layer is ever in float32)."""
+    so that at most one layer, or one expert, is ever in float32)."""
     import importlib
 
     import mlx.core as mx
@@ -301,6 +320,9 @@ def prepare_moe_mlx(name: str, small: bool) -> Path:
     else:
         model, config = quantize_model(model, config, 64, 4)
     for layer in model.model.layers:
+        if shape.family == "gpt-oss":
+            for proj in (layer.mlp.experts.gate_proj, layer.mlp.experts.up_proj, layer.mlp.experts.down_proj):
+                _requantize_per_expert(proj)
         mx.eval(layer.parameters())
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
