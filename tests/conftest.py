@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from node.models import default_data_dir, ensure_builtin_model
+from tests.gptoss_model import make_scripted_gptoss
 from tests.model_factory import make_random_model
 from tests.nodes import RunningNode, start_node
 
@@ -58,5 +59,21 @@ def random_model_dir(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathF
 def random_node(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningNode]:
     """One `shoal run` serving the random model, shared by tests that don't disturb it."""
     node = start_node(data_dir=tmp_path_factory.mktemp("data"), model=str(random_model_dir))
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="session")
+def scripted_gptoss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The scripted gpt_oss model with GPT-OSS's real tokenizer (tests/gptoss_model.py), built once."""
+    return make_scripted_gptoss(tmp_path_factory.mktemp("gptoss") / "scripted-gpt-oss")
+
+
+@pytest.fixture(scope="session")
+def scripted_gptoss_node(
+    scripted_gptoss_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningNode]:
+    """One `shoal run` serving the scripted gpt_oss model, shared by the tests of its surfaces."""
+    node = start_node(data_dir=tmp_path_factory.mktemp("data"), model=str(scripted_gptoss_dir))
     yield node
     node.stop()

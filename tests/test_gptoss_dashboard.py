@@ -14,16 +14,13 @@ import pytest
 from playwright.sync_api import Browser, Locator, Page
 
 from tests.browser import chromium, open_page
-from tests.gptoss_model import ANSWER, ANSWER_SCRIPT, REASONING, make_scripted_gptoss, script_ids
-from tests.nodes import RunningNode, start_node
+from tests.gptoss_model import ANSWER, ANSWER_SCRIPT, REASONING, script_ids
+from tests.nodes import RunningNode
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningNode]:
-    folder = make_scripted_gptoss(tmp_path_factory.mktemp("gptoss") / "scripted-gpt-oss")
-    running = start_node(data_dir=tmp_path_factory.mktemp("data"), model=str(folder))
-    yield running
-    running.stop()
+def node(scripted_gptoss_node: RunningNode) -> RunningNode:
+    return scripted_gptoss_node
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ its tokens still works.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,6 @@ from tests.gptoss_model import (
     TOOL,
     TOOL_REASONING,
     TOOL_SCRIPT,
-    make_scripted_gptoss,
     script_ids,
 )
 
@@ -40,10 +40,9 @@ LONG = "Tell me about the sea. " * 500
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    folder = make_scripted_gptoss(tmp_path_factory.mktemp("gptoss") / "scripted-gpt-oss")
+def loaded(scripted_gptoss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     vocab = prepare_harmony_vocab(tmp_path_factory.mktemp("data"))
-    return load_model(folder, vocab_dir=vocab)
+    return load_model(scripted_gptoss_dir, vocab_dir=vocab)
 
 
 def _request(text: str, params: SamplingParams, **fields: object) -> GenerateRequest:

@@ -45,11 +45,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningNode]:
-    folder = make_scripted_gptoss(tmp_path_factory.mktemp("gptoss") / "scripted-gpt-oss")
-    running = start_node(data_dir=tmp_path_factory.mktemp("data"), model=str(folder))
-    yield running
-    running.stop()
+def node(scripted_gptoss_node: RunningNode) -> RunningNode:
+    return scripted_gptoss_node
 
 
 @pytest.fixture(scope="module")
