@@ -32,6 +32,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from node.cpu.decode_attention import cached_attention
 from node.cpu.kernel_layers import KernelQuantizedLinear
 from node.cpu.layer_eval import _EvaluatedInPrefill
+from node.cpu.mixins import with_mixin
 
 FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """The mlx-lm architectures whose `TransformerBlock` is the plain pre-norm llama layer fused here."""
@@ -47,7 +48,7 @@ def fused_layers_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() not in ("0", "off", "no", "false")
 
 
-def _projection(layer: Any) -> Projection:
+def projection(layer: Any) -> Projection:
     # Item access throughout: a module is a dict, and `Module.__getattr__` (Python) for every
     # child and weight cost ~0.6 ms of the runner's main thread per SmolLM2 token.
     bias = layer.get("bias")
@@ -60,12 +61,12 @@ def tail_args(block: Any) -> tuple[Any, ...]:
     """`decoder_tail`'s arguments after the attention output and x: o, norm weight and eps, gate, up, down."""
     attn, mlp, post = block["self_attn"], block["mlp"], block["post_attention_layernorm"]
     return (
-        _projection(attn["o_proj"]),
+        projection(attn["o_proj"]),
         post["weight"],
         post.eps,
-        _projection(mlp["gate_proj"]),
-        _projection(mlp["up_proj"]),
-        _projection(mlp["down_proj"]),
+        projection(mlp["gate_proj"]),
+        projection(mlp["up_proj"]),
+        projection(mlp["down_proj"]),
     )
 
 
@@ -118,7 +119,7 @@ class _FusedBlock:
             x,
             norm["weight"],
             norm.eps,
-            [_projection(attn["q_proj"]), _projection(attn["k_proj"]), _projection(attn["v_proj"])],
+            [projection(attn["q_proj"]), projection(attn["k_proj"]), projection(attn["v_proj"])],
             [attn.n_heads, attn.n_kv_heads, attn.n_kv_heads],
         )
         if "q_norm" in attn:  # qwen3: per-head norms (over head_dim, whatever the axis order)
@@ -151,16 +152,6 @@ class _FusedBlock:
         return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _fused_class(cls: type, kernels: ModuleType) -> type:
-    if cls not in _SUBCLASSES:
-        namespace = {"__module__": cls.__module__, "_kernels": kernels}
-        _SUBCLASSES[cls] = type(cls.__name__, (_FusedBlock, cls), namespace)
-    return _SUBCLASSES[cls]
-
-
 def fuse_decoder_layers(model: Any, kernels: ModuleType) -> int:
     """Give every fusable layer of `model.layers` the fused `__call__`; returns how many."""
     if not fused_layers_enabled() or not hasattr(kernels, "decoder_head"):
@@ -172,6 +163,6 @@ def fuse_decoder_layers(model: Any, kernels: ModuleType) -> int:
     for layer in layers:
         if isinstance(layer, _FusedBlock) or not is_fusable(layer):
             continue
-        layer.__class__ = _fused_class(type(layer), kernels)
+        layer.__class__ = with_mixin(_FusedBlock, type(layer), _kernels=kernels)
         fused += 1
     return fused

@@ -30,7 +30,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from node.cpu.decode_attention import RopeSpec, rope_spec
-from node.cpu.fused_layers import _FusedBlock, _projection, tail_args
+from node.cpu.fused_layers import _FusedBlock, projection, tail_args
+from node.cpu.mixins import with_mixin
 
 STACKABLE_MODELS = {
     ("mlx_lm.models.llama", "LlamaModel"),
@@ -71,9 +72,9 @@ def _layer_args(layer: Any) -> tuple[Any, ...]:
     return (
         norm["weight"],
         norm.eps,
-        _projection(attn["q_proj"]),
-        _projection(attn["k_proj"]),
-        _projection(attn["v_proj"]),
+        projection(attn["q_proj"]),
+        projection(attn["k_proj"]),
+        projection(attn["v_proj"]),
         None if q_norm is None else q_norm["weight"],
         None if k_norm is None else k_norm["weight"],
         0.0 if q_norm is None else q_norm.eps,
@@ -192,9 +193,6 @@ class _StackedModel:
         return module.norm(h)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 def stack_decoder(model: Any, kernels: ModuleType) -> bool:
     """Give `model`'s inner module the stacked decode step where it applies; whether it did."""
     inner = getattr(model, "model", None)
@@ -204,8 +202,5 @@ def stack_decoder(model: Any, kernels: ModuleType) -> bool:
     if not issubclass(cls, _StackedModel):
         if (cls.__module__, cls.__name__) not in STACKABLE_MODELS:
             return False
-        if cls not in _SUBCLASSES:
-            namespace = {"__module__": cls.__module__, "_kernels": kernels}
-            _SUBCLASSES[cls] = type(cls.__name__, (_StackedModel, cls), namespace)
-        inner.__class__ = _SUBCLASSES[cls]
+        inner.__class__ = with_mixin(_StackedModel, cls, _kernels=kernels)
     return inner.stack() is not None

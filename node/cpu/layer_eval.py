@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-_SUBCLASSES: dict[type, type] = {}
+from node.cpu.mixins import with_mixin
 
 
 class _EvaluatedInPrefill:
@@ -34,9 +34,7 @@ class _EvaluatedInPrefill:
 def _evaluated(cls: type) -> type:
     if issubclass(cls, _EvaluatedInPrefill):
         return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (_EvaluatedInPrefill, cls), {"__module__": cls.__module__})
-    return _SUBCLASSES[cls]
+    return with_mixin(_EvaluatedInPrefill, cls)
 
 
 def evaluate_layers_in_prefill(model: Any) -> int:

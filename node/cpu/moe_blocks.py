@@ -22,9 +22,9 @@ from typing import Any
 import mlx.core as mx
 
 from node.cpu.expert_layers import KernelSwitchLinear
-from node.cpu.fused_layers import _projection as _router_projection
-from node.cpu.fused_layers import fused_layers_enabled
+from node.cpu.fused_layers import fused_layers_enabled, projection
 from node.cpu.kernel_layers import KernelQuantizedLinear
+from node.cpu.mixins import with_mixin
 
 MAX_TOKENS = 8
 """Tokens up to which a block runs as one operation (the kernels' row block, kMaxRows): decode and
@@ -35,8 +35,6 @@ FUSABLE_BLOCKS = (
     ("mlx_lm.models.gpt_oss", "MLPBlock"),
 )
 """The mlx-lm MoE blocks whose routing `_FusedMoe.__call__` reproduces."""
-
-ExpertProjection = tuple[mx.array, mx.array, mx.array | None, mx.array | None, int, int]
 
 
 def _experts(block: Any) -> Any:
@@ -78,11 +76,6 @@ def is_fusable_moe(block: Any) -> bool:
     return _activation(block) is not None
 
 
-def _projection(layer: Any) -> ExpertProjection:
-    weight, scales, bias = layer["weight"], layer["scales"], layer.get("bias")
-    return (weight, scales, layer._biases(), bias, layer.group_size, layer.bits)
-
-
 class _FusedMoe:
     """Mixed in before a fusable block's class: a few tokens go through `moe_mlp`."""
 
@@ -98,11 +91,11 @@ class _FusedMoe:
         router = block["gate"] if qwen else block["router"]  # gpt_oss: the top k logits, softmax over them
         k = block.top_k if qwen else block.num_experts_per_tok
         name, alpha, limit = _activation(block) or ("swiglu", 1.0, 0.0)
-        projections = [_projection(experts[p]) for p in ("gate_proj", "up_proj", "down_proj")]
+        projections = [projection(experts[p]) for p in ("gate_proj", "up_proj", "down_proj")]
         if isinstance(router, KernelQuantizedLinear):  # the routing inside the same operation
             return self._kernels.moe_routed(
                 x,
-                _router_projection(router),
+                projection(router),
                 *projections,
                 top_k=k,
                 routing="softmax_topk" if qwen else "topk_softmax",
@@ -126,16 +119,6 @@ class _FusedMoe:
         )
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _fused_class(cls: type, kernels: ModuleType) -> type:
-    if cls not in _SUBCLASSES:
-        namespace = {"__module__": cls.__module__, "_kernels": kernels}
-        _SUBCLASSES[cls] = type(cls.__name__, (_FusedMoe, cls), namespace)
-    return _SUBCLASSES[cls]
-
-
 def fuse_moe_blocks(model: Any, kernels: ModuleType) -> int:
     """Give every fusable MoE block of `model` the one-operation decode; returns how many."""
     if not fused_layers_enabled() or not hasattr(kernels, "moe_mlp"):
@@ -144,6 +127,6 @@ def fuse_moe_blocks(model: Any, kernels: ModuleType) -> int:
     for _, module in model.named_modules():
         if isinstance(module, _FusedMoe) or not is_fusable_moe(module):
             continue
-        module.__class__ = _fused_class(type(module), kernels)
+        module.__class__ = with_mixin(_FusedMoe, type(module), _kernels=kernels)
         fused += 1
     return fused
