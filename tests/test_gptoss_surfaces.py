@@ -194,6 +194,16 @@ def _blocks(content: list[Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def _message(
+    client: anthropic.Anthropic, request: dict[str, Any], *, stream: bool
+) -> anthropic.types.Message:
+    """The Messages API's answer to `request`, streamed (the SDK assembles it) or not."""
+    if stream:
+        with client.messages.stream(**request) as events:
+            return events.get_final_message()
+    return client.messages.create(**request)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_messages_thinking_block_then_text(
     anthropic_client: anthropic.Anthropic, model: str, stream: bool
@@ -205,11 +215,7 @@ def test_messages_thinking_block_then_text(
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "extra_body": GREEDY,
     }
-    if stream:
-        with anthropic_client.messages.stream(**request) as events:
-            message = events.get_final_message()
-    else:
-        message = anthropic_client.messages.create(**request)
+    message = _message(anthropic_client, request, stream=stream)
     assert _blocks(message.content) == [("thinking", REASONING), ("text", ANSWER)]
     assert message.stop_reason == "end_turn"
     # Without `thinking` the reasoning is left out.
@@ -228,11 +234,7 @@ def test_messages_tool_use(anthropic_client: anthropic.Anthropic, model: str, st
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "extra_body": GREEDY,
     }
-    if stream:
-        with anthropic_client.messages.stream(**request) as events:
-            message = events.get_final_message()
-    else:
-        message = anthropic_client.messages.create(**request)
+    message = _message(anthropic_client, request, stream=stream)
     assert _blocks(message.content) == [
         ("thinking", TOOL_REASONING),
         ("tool_use", (TOOL, json.loads(ARGUMENTS))),
