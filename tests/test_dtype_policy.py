@@ -16,6 +16,7 @@ from node.cpu import kernel_layers
 from node.cpu.dtype import apply_dtype_policy
 from node.native import KernelLoad, load_kernels
 from node.runner.engine import load_model
+from tests.decode_agreement import assert_same_text, greedy_tokens
 from tests.model_factory import dequantized_copy, make_random_model, quantized_copy, write_model_folder
 
 NO_KERNELS = KernelLoad(None, "kernels left out by the test")
@@ -28,16 +29,15 @@ def _params(model: Any) -> list[tuple[str, mx.array]]:
     return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
 
 
-def _greedy_tokens(model: Any, tokenizer: Any, prompt: list[int], n: int = 16) -> list[int]:
-    from mlx_lm import stream_generate
-
-    return [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)]
+def _float32_model(model_dir: Path) -> Any:
+    loaded = load_model(model_dir, vocab_dir=None)
+    assert {v.dtype for _, v in _params(loaded.model)} == {mx.float32}
+    return loaded
 
 
 def _float32_tokens(model_dir: Path, prompt: list[int]) -> list[int]:
-    loaded = load_model(model_dir, vocab_dir=None)
-    assert {v.dtype for _, v in _params(loaded.model)} == {mx.float32}
-    return _greedy_tokens(loaded.model, loaded.tokenizer, prompt)
+    loaded = _float32_model(model_dir)
+    return greedy_tokens(loaded.model, loaded.tokenizer, prompt)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_bf16_model_stays_bf16_on_the_kernels(bf16_model: Path, float32_twin: Pa
     assert layers and all(m.weight.dtype == mx.bfloat16 for m in layers)
     norms = [v for k, v in _params(loaded.model) if k.endswith("norm.weight")]
     assert norms and all(v.dtype == mx.float32 for v in norms)  # small parameters: the activations' dtype
-    assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == _float32_tokens(float32_twin, prompt)
+    assert greedy_tokens(loaded.model, loaded.tokenizer, prompt) == _float32_tokens(float32_twin, prompt)
 
 
 @needs_kernels
@@ -92,7 +92,8 @@ def test_quantized_model_stays_quantized_and_matches_its_float32_weights(
         held = sum(v.nbytes for _, v in _params(loaded.model))
         assert held < 1.1 * stored, (held, stored)  # as stored, not float32 (which would be ~4-8x)
         prompt = list(range(300, 340))
-        assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == _float32_tokens(ahead, prompt)
+        reference = _float32_model(ahead)
+        assert_same_text(loaded.model, loaded.tokenizer, reference.model, reference.tokenizer, prompt, bits)
 
 
 def test_without_kernels_bf16_and_quantized_become_float32(bf16_model: Path, tmp_path: Path) -> None:

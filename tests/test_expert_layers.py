@@ -16,6 +16,7 @@ from node.cpu.dtype import apply_dtype_policy
 from node.cpu.expert_layers import KernelSwitchLinear
 from node.native import KernelLoad, load_kernels
 from node.runner.engine import load_model
+from tests.decode_agreement import assert_same_text, greedy_tokens
 from tests.model_factory import (
     _random_parameters,
     _special_ids,
@@ -31,12 +32,6 @@ pytestmark = pytest.mark.skipif(
 
 def _params(model: Any) -> list[tuple[str, mx.array]]:
     return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-
-
-def _greedy_tokens(model: Any, tokenizer: Any, prompt: list[int], n: int = 16) -> list[int]:
-    from mlx_lm import stream_generate
-
-    return [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)]
 
 
 def make_qwen3_moe(out_dir: Path, *, tokenizer_from: Path, seed: int = 0) -> Path:
@@ -97,8 +92,8 @@ def test_quantized_experts_stay_as_stored_and_give_the_float32_text(
     decision = apply_dtype_policy(reference[0], kernels=KernelLoad(None, "kernels left out by the test"))
     assert decision.converted
     for prompt in (list(range(300, 340)), [1000]):  # prefill of 40 tokens (grouped by expert), one token
-        want = _greedy_tokens(reference[0], reference[1], prompt)
-        assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
+        want = greedy_tokens(reference[0], reference[1], prompt)
+        assert greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
 
 
 def test_mxfp4_experts_stay_as_stored_and_give_the_float32_text(
@@ -133,8 +128,8 @@ def test_mxfp4_experts_stay_as_stored_and_give_the_float32_text(
         reference[0], kernels=KernelLoad(None, "kernels left out by the test")
     ).converted
     for prompt in (list(range(300, 340)), [1000]):
-        want = _greedy_tokens(reference[0], reference[1], prompt)
-        assert _greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
+        want = greedy_tokens(reference[0], reference[1], prompt)
+        assert greedy_tokens(loaded.model, loaded.tokenizer, prompt) == want
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "llama"])
@@ -173,7 +168,7 @@ def test_gpt_oss_mxfp4_experts_and_an_all_mxfp4_llama_give_the_float32_text(
         reference[0], kernels=KernelLoad(None, "kernels left out by the test")
     ).converted
     for prompt in (list(range(300, 340)), [1000]):
-        assert _greedy_tokens(kept[0], kept[1], prompt) == _greedy_tokens(reference[0], reference[1], prompt)
+        assert_same_text(kept[0], kept[1], reference[0], reference[1], prompt)
 
 
 def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_route(
@@ -181,7 +176,7 @@ def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_rou
 ) -> None:
     """Decode through moe_routed (node/cpu/moe_blocks.py) in fused decoder layers against the same
     kernels through mlx-lm's layers and SwitchGLU (SHOAL_FUSED_LAYERS=0): the same greedy text, and
-    for a batch of 3 rows (continuous batching) and 9 (mlx-lm's path) the same block outputs within
+    for a batch of 3 rows (continuous batching) and 9 (the prefill path) the same block outputs within
     the int16 rounding."""
     from mlx_lm.utils import load
 
@@ -200,7 +195,7 @@ def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_rou
     assert all(isinstance(layer, _FusedBlock) for layer in fused[0].layers)
     assert not any(isinstance(layer.mlp, _FusedMoe) for layer in plain[0].layers)
     for prompt in ([1000], list(range(300, 312))):
-        assert _greedy_tokens(fused[0], fused[1], prompt, n=24) == _greedy_tokens(
+        assert greedy_tokens(fused[0], fused[1], prompt, n=24) == greedy_tokens(
             plain[0], plain[1], prompt, n=24
         )
     for rows in (3, 9):

@@ -5,7 +5,6 @@ stores them) against a plain numpy E2M1 table and against mx.dequantize + float3
 from __future__ import annotations
 
 from types import ModuleType
-from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 
 from node.native import load_kernels
 from tests.isa_children import CAPS, capped_env, run_capped
+from tests.kernel_error import RELATIVE, half_steps, int8_rows
 from tests.test_expert_kernels import TOKENS
 
 KERNELS = load_kernels().module
@@ -44,11 +44,17 @@ def _random_mxfp4(
 
 
 def _check(got: mx.array, x: np.ndarray, dense: np.ndarray, rows: slice = slice(None)) -> None:
-    """Each output within 1e-4 of the float64 product, relative to its own |x| @ |w|.T."""
-    want = x.astype(np.float64) @ np.swapaxes(dense, -1, -2)
-    scale = np.abs(x.astype(np.float64)) @ np.abs(np.swapaxes(dense, -1, -2))
-    err = np.abs(np.array(got, dtype=np.float64) - want)[..., rows] / np.maximum(scale[..., rows], 1e-300)
-    assert np.isfinite(err).all() and err.max() < 1e-4, err.max()
+    """Each output within RELATIVE of the float64 product, relative to its own |x| @ |w|.T, past
+    int8 rounding of x where the rows kernel does that (tests/kernel_error.py)."""
+    w_t = np.swapaxes(dense, -1, -2).astype(np.float64)
+    x64 = x.astype(np.float64)
+    want = x64 @ w_t
+    scale = np.abs(x64) @ np.abs(w_t)
+    err = np.abs(np.array(got, dtype=np.float64) - want)
+    if int8_rows(4) and x.shape[-2] <= 8:
+        err = np.maximum(err - half_steps(x64, 32) @ np.abs(w_t), 0.0)
+    err = err[..., rows] / np.maximum(scale[..., rows], 1e-300)
+    assert np.isfinite(err).all() and err.max() < RELATIVE, err.max()
 
 
 def test_the_numpy_table_is_what_mx_dequantize_gives_for_every_scale_byte() -> None:
@@ -73,10 +79,9 @@ def test_mxfp4_products_match_the_table_and_mx_dequantize_for_every_token_count(
         x = rng.normal(size=(tokens, K)).astype(np.float32)
         got = _kernels().weight_matmul(mx.array(x), w[3], s[3], None, group_size=32, bits=4)
         _check(got, x, dense[3])
-        want = mx.array(x) @ mlx_dense[3].T  # and the float32 route the runner took before
-        assert float(cast(float, mx.abs(got - want).max().item())) < 1e-4 * float(
-            (np.abs(x) @ np.abs(dense[3]).T).max()
-        )
+        _check(
+            got, x, np.array(mlx_dense[3].astype(mx.float32))
+        )  # and the float32 route the runner took before
         idx = used[rng.integers(0, 4, size=(tokens, top))]
         # gate/up (a token's row broadcast over its experts), down (a row per expert), sorted flat
         for xs, ids in (

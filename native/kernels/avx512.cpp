@@ -155,6 +155,162 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
     y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]) + bias_sum[m];
 }
 
+// The bytes of a 4-bit span's low and high nibbles (FP4: MXFP4 codes as kE2M1x2 + kFp4Offset).
+template <bool FP4, typename V>
+inline void int8_nibbles(V v, V* lo, V* hi) {
+  alignas(16) static constexpr int8_t kOffset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  static_assert(kOffset[7] == kE2M1x2[7] + kFp4Offset && kOffset[15] == kE2M1x2[15] + kFp4Offset);
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kOffset));
+  if constexpr (sizeof(V) == 64) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    *lo = _mm512_and_si512(v, mask), *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    if constexpr (FP4) {
+      const __m512i lut = _mm512_broadcast_i32x4(table);
+      *lo = _mm512_shuffle_epi8(lut, *lo), *hi = _mm512_shuffle_epi8(lut, *hi);
+    }
+  } else if constexpr (sizeof(V) == 32) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, mask), *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    if constexpr (FP4) {
+      const __m256i lut = _mm256_broadcastsi128_si256(table);
+      *lo = _mm256_shuffle_epi8(lut, *lo), *hi = _mm256_shuffle_epi8(lut, *hi);
+    }
+  } else {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    *lo = _mm_and_si128(v, mask), *hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    if constexpr (FP4) *lo = _mm_shuffle_epi8(table, *lo), *hi = _mm_shuffle_epi8(table, *hi);
+  }
+}
+
+// A step of 4 chunks (64 bytes) from chunk c against MB rows of int8 x (Acts: row stride 2K bytes): each
+// int32 lane sums 4 byte products, lanes 4i .. 4i + 3 chunk c + i (step_scales<4>'s order).
+// The int32 sums a product of chunk c on starts from: MXFP4, the x's offset sums; else zero.
+template <bool FP4, typename V>
+inline V int8_start(const int8_t* x, int K, int c) {
+  if constexpr (!FP4) return V{};
+  const void* at = reinterpret_cast<const int32_t*>(x + K) + c * 4;
+  if constexpr (sizeof(V) == 64) return _mm512_loadu_si512(at);
+  if constexpr (sizeof(V) == 32) return _mm256_loadu_si256(static_cast<const __m256i*>(at));
+  if constexpr (sizeof(V) == 16) return _mm_loadu_si128(static_cast<const __m128i*>(at));
+}
+
+template <int MB, bool FP4>
+__attribute__((always_inline)) inline void int8_step(const uint8_t* row, const int8_t* xq, int K, const float* sxc,
+                                                     int chunks, int c, __m512* into) {
+  __m512i lo, hi;
+  int8_nibbles<FP4>(load512(row + c * 16), &lo, &hi);
+  for (int m = 0; m < MB; m++) {
+    const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
+    const int8_t* x = xm + c * 32;
+    const __m512i start = int8_start<FP4, __m512i>(xm, K, c);
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, load512(x)), hi, load512(x + 64));
+    into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), step_scales<4>(sxc + m * chunks + c), into[m]);
+  }
+}
+
+// affine_body's scheme on int8 activations (Acts): two VNNI byte products a 64-byte step.
+template <int MB, bool FP4>
+void int8_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
+               int m0) {
+  const int K = w.K, chunks = K / 32, steps = chunks / 4, row_bytes = chunks * 16;
+  const float* bias_sum = sxc + MB * chunks;
+  __m512 acc0[MB], acc1[MB];
+  __m256 tail[MB];
+  for (int m = 0; m < MB; m++) {
+    acc0[m] = acc1[m] = _mm512_setzero_ps();
+    tail[m] = _mm256_setzero_ps();
+  }
+  const int8_t* xq = reinterpret_cast<const int8_t*>(a.xq + static_cast<long>(m0) * K);
+  int s = 0;
+  for (; s + 2 <= steps; s += 2) {
+    const uint8_t* at = row + s * kStep;
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + kStep + kPrefetchBytes), _MM_HINT_T0);
+    int8_step<MB, FP4>(row, xq, K, sxc, chunks, s * 4, acc0);
+    int8_step<MB, FP4>(row, xq, K, sxc, chunks, s * 4 + 4, acc1);
+  }
+  for (int off = s * kStep; off < row_bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + off + kPrefetchBytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
+  if (s < steps) int8_step<MB, FP4>(row, xq, K, sxc, chunks, s++ * 4, acc0);
+  int c = steps * 4;
+  if (c + 2 <= chunks) {  // a span of 2 chunks: lanes 0-3 chunk c, 4-7 chunk c + 1
+    __m256i lo, hi;
+    int8_nibbles<FP4>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16)), &lo, &hi);
+    for (int m = 0; m < MB; m++) {
+      const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
+      const int8_t* x = xm + c * 32;
+      const __m256i start = int8_start<FP4, __m256i>(xm, K, c);
+      const __m256i p = _mm256_dpbusd_epi32(
+          _mm256_dpbusd_epi32(start, lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), hi,
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+      const float* sx = sxc + m * chunks + c;
+      tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx)),
+                                tail[m]);
+    }
+    c += 2;
+  }
+  if (c < chunks) {  // a last lone chunk
+    __m128i lo, hi;
+    int8_nibbles<FP4>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)), &lo, &hi);
+    for (int m = 0; m < MB; m++) {
+      const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
+      const int8_t* x = xm + c * 32;
+      const __m128i start = int8_start<FP4, __m128i>(xm, K, c);
+      const __m128i p = _mm_dpbusd_epi32(_mm_dpbusd_epi32(start, lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x))),
+                                         hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+      tail[m] = _mm256_fmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(p)), _mm256_broadcast_ss(sxc + m * chunks + c),
+                                tail[m]);
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]) + bias_sum[m];
+}
+
+// `prepare` for int8 bodies: 4-bit weights' x rounded to int8 per group (amax / 127 a step) in
+// the int8 order (kernels.h, Acts), xsum the sum of the rounded values, and for MXFP4 the sums
+// that cancel kFp4Offset; 8-bit weights' as vector_prepare.
+void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  if (quant_bits(w.format) != 4) return vector_prepare<kStep>(w, x, M, xq, xscale, xsum);
+  const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
+  thread_local std::vector<int8_t> natural;
+  natural.resize(static_cast<size_t>(K));
+  for (int m = 0; m < M; m++) {
+    const float* xr = x + static_cast<long>(m) * K;
+    for (int g = 0; g < groups; g++) {
+      const float* xg = xr + g * gs;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int i = 0; i < gs; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m512i total = _mm512_setzero_si512();
+      for (int i = 0; i < gs; i += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
+        total = _mm512_add_epi32(total, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(natural.data() + g * gs + i), _mm512_cvtepi32_epi8(q));
+      }
+      xscale[m * groups + g] = amax / 127.0f;
+      xsum[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(total)) * (amax / 127.0f);
+    }
+    int8_t* qr = reinterpret_cast<int8_t*>(xq + static_cast<long>(m) * K);
+    int32_t* offsets = reinterpret_cast<int32_t*>(qr + K);  // MXFP4: per lane of 8 values
+    int c = 0;  // spans of 4 chunks, then of 2, then 1
+    for (int size = 4; size >= 1; size /= 2) {
+      for (; c + size <= chunks; c += size) {
+        const int8_t* from = natural.data() + c * 32;
+        int8_t* to = qr + c * 32;
+        for (int e = 0; e < 32 * size; e++) to[(e & 1) * 16 * size + (e >> 1)] = from[e];
+        if (w.format != Format::Mxfp4) continue;
+        for (int i = 0; i < 4 * size; i++) {
+          int sum = 0;
+          for (int j = 0; j < 4; j++) sum += to[4 * i + j] + to[16 * size + 4 * i + j];
+          offsets[c * 4 + i] = -kFp4Offset * sum;
+        }
+      }
+    }
+  }
+}
+
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly), 32 a step.
 template <bool BF, int MB>
 void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
@@ -185,12 +341,14 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
 
 }  // namespace
 
-const Kernels* SHOAL_AVX512_KERNELS() {
+const Kernels* SHOAL_AVX512_KERNELS(bool int8) {
   const Kernels* avx2 = avx2_kernels();
   if (!avx2) return nullptr;
-  static const Kernels kernels{SHOAL_AVX512_NAME,    vector_rows,  avx2->dequant, vector_prepare<kStep>,
-                               avx512_gemm_kernel(), natural_prepare};
-  return &kernels;
+  static const Kernels wide{SHOAL_AVX512_NAME,    vector_rows<false>, avx2->dequant, vector_prepare<kStep>,
+                            avx512_gemm_kernel(), natural_prepare};
+  static const Kernels bytes{SHOAL_AVX512_NAME,    vector_rows<true>, avx2->dequant, int8_prepare,
+                             avx512_gemm_kernel(), natural_prepare,   true};
+  return int8 ? &bytes : &wide;
 }
 
 }  // namespace shoal
@@ -198,7 +356,7 @@ const Kernels* SHOAL_AVX512_KERNELS() {
 #else
 
 namespace shoal {
-const Kernels* SHOAL_AVX512_KERNELS() { return nullptr; }
+const Kernels* SHOAL_AVX512_KERNELS(bool) { return nullptr; }
 }  // namespace shoal
 
 #endif

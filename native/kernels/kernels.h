@@ -39,12 +39,22 @@ struct Weights {
 // Activations as the small-batch affine kernels read them: x quantized to int16 per weight group
 // (the int16 x 4/8-bit products run on integer multiply-adds at twice the rate of float FMAs,
 // and an int16 grid keeps the relative error near 1e-5, far below the weights' own).
+// Kernels with int8 bodies (AVX-512 VNNI, `int8_prepare`) take 4-bit weights' activations as int8
+// instead, as llama.cpp does (its Q8 activations): a byte product does twice the multiply-adds of
+// an int16 one per instruction, on half the unpacking, and the 4-bit rows kernel is bound by those
+// instructions, not by memory. Each x then moves by at most half its group's step, amax / 254:
+// an error like a second, far finer quantization of the weights, so it is checked against
+// that bound (tests/kernel_error.py), not against the float32 product's last bits. Their order:
+// a span of S chunks (as affine_position's: 4 chunks, then 2, then 1) is its 16S evens, then its
+// 16S odds (a weight byte's low and high nibbles); for MXFP4, the int32 after the K bytes are, per
+// 8 values of a chunk in a product's lanes, -kFp4Offset x their sum (kernels.h, kFp4Offset).
 struct Acts {
   int M, K, groups;
   const float* x;       // M x K, row-major
   const int16_t* xq;    // M x K, in the order the kernel unpacks the weights: affine_position
+                        // (int8: a row's place holds K bytes, then for MXFP4 K / 8 int32 sums)
   const float* xscale;  // M x groups: x = xq * xscale within a group
-  const float* xsum;    // M x groups: the sum of x over the group (exact floats)
+  const float* xsum;    // M x groups: the sum of x over the group (int8: of xq * xscale, the x used)
 };
 
 // Rows [n0, n1) of the product into y[m * ldy + n].
@@ -63,6 +73,7 @@ struct Kernels {
   // output rows [n0, n1), a multiple of kGemmRows apart, of activations `gemm_prepare` filled.
   RowsFn gemm = nullptr;
   PrepareFn gemm_prepare = nullptr;
+  bool int8 = false;  // 4-bit weights' activations are int8 (Acts), not int16
 };
 
 constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles or `gemm`
@@ -71,10 +82,11 @@ constexpr int kGemmRows = 32;  // weight rows per `gemm` panel
 const Kernels& portable_kernels();
 // The AVX2+FMA+F16C kernels, or nullptr when this build has none.
 const Kernels* avx2_kernels();
-// The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none.
-const Kernels* avx512_kernels();
+// The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none; int8: with int8
+// activations for 4-bit weights (Acts), else int16 throughout.
+const Kernels* avx512_kernels(bool int8);
 // The same built with VBMI (avx512.cpp says what for), or nullptr.
-const Kernels* avx512vbmi_kernels();
+const Kernels* avx512vbmi_kernels(bool int8);
 // Their `gemm` (gemm_avx512.cpp), or nullptr.
 RowsFn avx512_gemm_kernel();
 
@@ -89,6 +101,10 @@ inline float symmetric_bias(const Weights& w, float s) {
 // MXFP4's E2M1 codes as twice their value, and the scale an E8M0 byte e gives them: 2^(e - 128).
 alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 inline float e8m0_scale(uint8_t e) { return std::ldexp(1.0f, static_cast<int>(e) - 128); }
+// The int8 bodies read MXFP4 codes as unsigned bytes, kE2M1x2 + kFp4Offset (VNNI's byte products
+// take one unsigned operand); their sums start from -kFp4Offset x the x they add (Acts), so what
+// they hold is the signed codes' own product, exact, never the offset's larger one.
+constexpr int kFp4Offset = 12;
 // Scales and biases of row n as floats (shared by every kernel).
 void row_scales(const Weights& w, int n, float* scales, float* biases);
 // Where x[k] goes in a row of Acts::xq, for kernels that read `step_bytes` (32: AVX2, 64: AVX-512)
@@ -100,6 +116,7 @@ void row_scales(const Weights& w, int n, float* scales, float* biases);
 //   makes one vector, so the activations are 4 blocks of 8S, block j = the values 4i + j.
 // - Affine8: 16S lanes of 2 bytes; the activations are the 16S evens, then the odds.
 int affine_position(int k, int K, Format format, int step_bytes);
+
 // The portable `prepare` (for 32-byte steps): plain C++, one value at a time.
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 

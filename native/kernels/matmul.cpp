@@ -248,15 +248,19 @@ const Kernels& active_kernels() {
     // rule one out); otherwise the widest this CPU has.
     const char* cap = std::getenv("SHOAL_KERNEL_ISA");
     const std::string isa = cap ? cap : "";
+    // SHOAL_KERNEL_ACTS=int16 keeps int16 activations for 4-bit weights where the kernels would
+    // take int8 (kernels.h, Acts): the exact route, to compare the two.
+    const char* acts = std::getenv("SHOAL_KERNEL_ACTS");
+    const bool int8 = !(acts && std::string(acts) == "int16");
 #if defined(__x86_64__)
     const bool avx2 = avx2_kernels() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                       __builtin_cpu_supports("f16c");
-    const bool avx512 = avx2 && avx512_kernels() && __builtin_cpu_supports("avx512f") &&
+    const bool avx512 = avx2 && avx512_kernels(int8) && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512vnni");
-    const bool vbmi = avx512 && avx512vbmi_kernels() && __builtin_cpu_supports("avx512vbmi");
-    if (vbmi && isa != "portable" && isa != "avx2" && isa != "avx512") return avx512vbmi_kernels();
-    if (avx512 && isa != "portable" && isa != "avx2") return avx512_kernels();
+    const bool vbmi = avx512 && avx512vbmi_kernels(int8) && __builtin_cpu_supports("avx512vbmi");
+    if (vbmi && isa != "portable" && isa != "avx2" && isa != "avx512") return avx512vbmi_kernels(int8);
+    if (avx512 && isa != "portable" && isa != "avx2") return avx512_kernels(int8);
     if (avx2 && isa != "portable") return avx2_kernels();
 #endif
     return &portable_kernels();
