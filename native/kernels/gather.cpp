@@ -9,6 +9,7 @@
 #include <string>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
 
 namespace shoal {
 
@@ -18,6 +19,46 @@ Weights Experts::at(int e) const {
   w.scales = static_cast<const uint8_t*>(w.scales) + e * scale_stride;
   if (w.biases) w.biases = static_cast<const uint8_t*>(w.biases) + e * scale_stride;
   return w;
+}
+
+bool gemm_takes(const Kernels& k, const Weights& w) { return k.gemm && k.gemm_prepare && is_grouped(w.format); }
+
+void GemmActs::prepare(const Kernels& k, const Weights& w, const float* const* src, int M) {
+  constexpr int kPrepareRows = 16;
+  K = w.K, groups = w.K / w.group_size;
+  xq.resize(static_cast<size_t>(M) * K);
+  xscale.resize(static_cast<size_t>(M) * groups);
+  xsum.resize(static_cast<size_t>(M) * groups);
+  int16_t* q = xq.data();
+  float *scale = xscale.data(), *sum = xsum.data();
+  const int K_ = K, groups_ = groups;
+  Pool::instance().run((M + kPrepareRows - 1) / kPrepareRows, [&](int t) {
+    for (int m = t * kPrepareRows; m < std::min(M, (t + 1) * kPrepareRows); m++)
+      k.gemm_prepare(w, src[m], 1, q + static_cast<long>(m) * K_, scale + static_cast<long>(m) * groups_,
+                     sum + static_cast<long>(m) * groups_);
+  });
+}
+
+Acts GemmActs::rows(int begin, int end) const {
+  return {end - begin, K, groups, nullptr, xq.data() + static_cast<long>(begin) * K,
+          xscale.data() + static_cast<long>(begin) * groups, xsum.data() + static_cast<long>(begin) * groups};
+}
+
+void panel_tasks(const GemmJob* jobs, size_t count, std::vector<PanelTask>& tasks) {
+  tasks.clear();
+  for (size_t j = 0; j < count; j++)
+    for (int n0 = 0; n0 < jobs[j].w.N; n0 += kGemmRows)
+      tasks.push_back({static_cast<int>(j), n0, std::min(jobs[j].w.N, n0 + kGemmRows)});
+}
+
+void run_gemms(const Kernels& k, const GemmJob* jobs, size_t count) {
+  thread_local std::vector<PanelTask> tasks;
+  panel_tasks(jobs, count, tasks);
+  const PanelTask* all = tasks.data();
+  Pool::instance().run(static_cast<int>(tasks.size()), [&](int t) {
+    const GemmJob& j = jobs[all[t].job];
+    k.gemm(j.w, j.a, j.y, j.ldy, all[t].n0, all[t].n1);
+  });
 }
 
 void gather_product(const Experts& experts, const float* x, const uint32_t* indices, int P, int R, float* y) {
@@ -51,6 +92,10 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
   thread_local std::vector<float> gathered, results;
   gathered.resize(gathered_rows * K);
   results.resize(gathered_rows * N);
+  // Large groups on `gemm` are prepared from x where it is: no float copy.
+  const Kernels& k = active_kernels();
+  const bool gemm = gemm_takes(k, experts.first);
+  auto on_gemm = [&](const Group& g) { return gemm && (g.end - g.begin) * R > kMaxRows; };
   long at = 0;
   for (Group& g : groups) {
     if (g.end - g.begin == 1) {
@@ -60,12 +105,12 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
     }
     g.x = gathered.data() + at * K;
     g.y = results.data() + at * N;
-    for (int b = g.begin; b < g.end; b++)
+    for (int b = g.begin; b < g.end && !on_gemm(g); b++)
       std::memcpy(gathered.data() + (at + static_cast<long>(b - g.begin) * R) * K, x + order[b] * xblock,
                   xblock * sizeof(float));
     at += static_cast<long>(g.end - g.begin) * R;
   }
-  // Small groups: one pool job for all of them; large ones: the dense product per expert. The
+  // Small groups: one pool job for all of them; large ones: see below. The
   // prepared activations' buffers are kept across calls (a decode step calls this every MoE layer).
   thread_local std::vector<PreparedActs> prepared;
   thread_local std::vector<Acts> acts;
@@ -82,9 +127,32 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
     }
   }
   if (!jobs.empty()) run_rows(jobs.data(), jobs.size());
-  for (const Group& g : groups) {
-    const int rows = (g.end - g.begin) * R;
-    if (rows > kMaxRows) product(g.w, g.x, rows, g.y);
+  if (!gemm) {
+    for (const Group& g : groups) {
+      const int rows = (g.end - g.begin) * R;
+      if (rows > kMaxRows) product(g.w, g.x, rows, g.y);
+    }
+  } else {  // every large group's rows prepared in one job, all their panels in another
+    thread_local std::vector<const float*> src;
+    thread_local std::vector<GemmJob> gemms;
+    thread_local GemmActs large;
+    src.clear(), gemms.clear();
+    for (const Group& g : groups) {
+      const int rows = (g.end - g.begin) * R;
+      if (rows <= kMaxRows) continue;
+      gemms.push_back({g.w, {}, g.y, N});
+      gemms.back().a.M = static_cast<int>(src.size());  // its first row, until prepared
+      for (int b = g.begin; b < g.end; b++)
+        for (int r = 0; r < R; r++) src.push_back(x + order[b] * xblock + static_cast<long>(r) * K);
+    }
+    if (!gemms.empty()) {
+      large.prepare(k, experts.first, src.data(), static_cast<int>(src.size()));
+      for (size_t i = 0; i < gemms.size(); i++) {
+        const int end = i + 1 < gemms.size() ? gemms[i + 1].a.M : static_cast<int>(src.size());
+        gemms[i].a = large.rows(gemms[i].a.M, end);
+      }
+      run_gemms(k, gemms.data(), gemms.size());
+    }
   }
   for (const Group& g : groups) {
     if (g.end - g.begin == 1) continue;

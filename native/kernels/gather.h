@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "matmul.h"
 
@@ -48,10 +49,43 @@ struct Experts {
   Weights at(int e) const;
 };
 
+// Prefill products of many experts at once on the kernels' `gemm` (AVX-512 VNNI): every
+// expert's rows prepared in one pool job, every expert's panels of kGemmRows weight rows in one
+// more, instead of two jobs per expert. An expert's ~64 rows of a 512-token prefill are a small
+// product: its two barriers and its preparing job cost as much as a fifth of its panels' work.
+//
+// Activations for `gemm`, rows gathered from anywhere, in buffers this object owns (reused).
+struct GemmActs {
+  std::vector<int16_t> xq;
+  std::vector<float> xscale, xsum;
+  int K = 0, groups = 0;
+  // Row i from src[i] (K floats), rounded for w's layout; one pool job.
+  void prepare(const Kernels& k, const Weights& w, const float* const* src, int M);
+  Acts rows(int begin, int end) const;  // a view of rows [begin, end) (no float x)
+};
+// One expert's product: y (row stride ldy) = a's rows @ w.T.
+struct GemmJob {
+  Weights w;
+  Acts a;
+  float* y;
+  long ldy;
+};
+// A pool task: panel [n0, n1) of job `job`.
+struct PanelTask {
+  int job, n0, n1;
+};
+// Every job's panels, job after job (an expert's tasks adjacent: its rows stay in cache).
+void panel_tasks(const GemmJob* jobs, size_t count, std::vector<PanelTask>& tasks);
+// All the jobs' panels as one pool job.
+void run_gemms(const Kernels& k, const GemmJob* jobs, size_t count);
+// Whether `gemm` takes these weights (the kernels have one, and the format is grouped).
+bool gemm_takes(const Kernels& k, const Weights& w);
+
 // The product itself on evaluated buffers: x is P blocks of R rows (row-major, K wide), y P blocks
 // of R x N. Blocks of one expert are grouped: up to kMaxRows rows of an expert share one `rows`
 // product, and all those experts' rows run as one pool job; more rows (prefill) go to `product`
-// (the dense gemm / tiled paths) one expert at a time.
+// (the tiled sgemm path) one expert at a time, or where the kernels have a `gemm`, all of them as
+// run_gemms' two pool jobs.
 void gather_product(const Experts& experts, const float* x, const uint32_t* indices, int P, int R, float* y);
 
 }  // namespace shoal

@@ -12,17 +12,12 @@
 #include <string>
 
 #include "fused.h"
+#include "moe_prefill.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace shoal {
 
 namespace {
-
-// An expert projection's evaluated arrays: the experts and the output bias [E, N] (or null).
-struct BoundExperts {
-  Experts experts;
-  const float* bias;
-};
 
 BoundExperts bind_experts(const ExpertDesc& d, const std::vector<mx::array>& inputs, size_t& at) {
   const mx::array& w = inputs[at++];
@@ -36,7 +31,8 @@ BoundExperts bind_experts(const ExpertDesc& d, const std::vector<mx::array>& inp
           bias};
 }
 
-// h = act(g + gate bias, u + up bias) over one row of n values (g, u overwritten).
+}  // namespace
+
 void activate(Activation act, float alpha, float limit, float* g, float* u, const float* gate_bias,
               const float* up_bias, int n, float* h) {
   if (gate_bias)
@@ -54,6 +50,27 @@ void activate(Activation act, float alpha, float limit, float* g, float* u, cons
   k.silu(g, n, h);
   for (int i = 0; i < n; i++) h[i] = (std::clamp(u[i], -limit, limit) + 1.0f) * (h[i] / alpha);
 }
+
+void weighted_sum(const float* d, const int* row_of, const uint32_t* indices, const float* scores,
+                  const float* down_bias, int t0, int t1, int k, int D, float* y) {
+  for (int t = t0; t < t1; t++) {
+    float* yt = y + static_cast<long>(t) * D;
+    std::fill_n(yt, D, 0.0f);
+    for (int j = 0; j < k; j++) {
+      const int p = t * k + j, r = row_of[p];
+      if (r < 0) continue;
+      const float w = scores[p], *dr = d + static_cast<long>(r) * D;
+      const float* bias = down_bias ? down_bias + static_cast<long>(indices[p]) * D : nullptr;
+      if (bias) {
+        for (int i = 0; i < D; i++) yt[i] += (dr[i] + bias[i]) * w;
+      } else {
+        for (int i = 0; i < D; i++) yt[i] += dr[i] * w;
+      }
+    }
+  }
+}
+
+namespace {
 
 // Buffers kept across calls (a decode step calls this every MoE layer): no allocation per call.
 struct Scratch {
@@ -148,22 +165,7 @@ void moe_block(const BoundExperts& gate, const BoundExperts& up, const BoundExpe
     row += n;
   }
   if (!s.jobs.empty()) run_rows(s.jobs.data(), s.jobs.size());
-  // y[t] = sum over its pairs, in their order, of score x (down + its bias).
-  for (int t = 0; t < T; t++) {
-    float* yt = y + static_cast<long>(t) * D;
-    std::fill_n(yt, D, 0.0f);
-    for (int j = 0; j < k; j++) {
-      const int p = t * k + j, r = s.row_of[p];
-      if (r < 0) continue;
-      const float w = scores[p], *dr = &s.d[static_cast<size_t>(r) * D];
-      const float* bias = down.bias ? down.bias + static_cast<long>(indices[p]) * D : nullptr;
-      if (bias) {
-        for (int i = 0; i < D; i++) yt[i] += (dr[i] + bias[i]) * w;
-      } else {
-        for (int i = 0; i < D; i++) yt[i] += dr[i] * w;
-      }
-    }
-  }
+  weighted_sum(s.d.data(), s.row_of.data(), indices, scores, down.bias, 0, T, k, D, y);
 }
 
 // Each token's top k experts and scores from its logits [T, E] (ties: the lower index; NaN lowest).
@@ -319,6 +321,7 @@ void MoeMlp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
       route(logits.data(), T, E, *routing, chosen.data(), chosen_scores.data());
       indices = chosen.data(), scores = chosen_scores.data();
     }
+    if (T > kMaxRows) return moe_prefill(gate, up, down, act, alpha, limit, xs, indices, scores, T, k, y);
     for (int t0 = 0; t0 < T; t0 += kMaxRows) {
       const int n = std::min(kMaxRows, T - t0);
       moe_block(gate, up, down, act, alpha, limit, xs + static_cast<long>(t0) * D, indices + static_cast<long>(t0) * k,

@@ -47,6 +47,21 @@ struct RouterDesc {
   bool norm;
 };
 
+// An expert projection's evaluated arrays: the experts and the output bias [E, N] (or null).
+struct BoundExperts {
+  Experts experts;
+  const float* bias;
+};
+
+// h = act(g + gate bias, u + up bias) over n values (g, u overwritten); biases may be null.
+void activate(Activation act, float alpha, float limit, float* g, float* u, const float* gate_bias,
+              const float* up_bias, int n, float* h);
+
+// y[t] for t in [t0, t1): the sum over its k pairs p, in their order, of scores[p] x (row
+// row_of[p] of d (D wide) + expert indices[p]'s down bias); pairs with row -1 add nothing.
+void weighted_sum(const float* d, const int* row_of, const uint32_t* indices, const float* scores,
+                  const float* down_bias, int t0, int t1, int k, int D, float* y);
+
 class MoeMlp : public mx::Primitive {
  public:
   MoeMlp(mx::Stream stream, std::optional<RouterDesc> router, ExpertDesc gate, ExpertDesc up, ExpertDesc down,
@@ -80,7 +95,7 @@ class MoeMlp : public mx::Primitive {
 // y[t] = sum_j scores[t, j] * (down_e(act(gate_e(x[t]) + gate_bias_e, up_e(x[t]) + up_bias_e)) + down_bias_e),
 // e = indices[t, j]. x float [..., D]; indices (integers) and scores [..., k] with x's leading
 // shape. activation: "swiglu" or "swiglu_oai" (alpha, limit: gpt_oss's 1.702 and 7). Any number
-// of tokens (blocks of kMaxRows); it pays for a few. An index outside [0, E) adds nothing.
+// of tokens: blocks of kMaxRows, or more at once (moe_prefill.h). An index outside [0, E) adds nothing.
 // Returns float32 [..., D].
 mx::array moe_mlp(const mx::array& x, const mx::array& indices, const mx::array& scores, const ExpertProjection& gate,
                   const ExpertProjection& up, const ExpertProjection& down, const std::string& activation,

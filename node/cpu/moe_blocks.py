@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs at decode as one native operation, not ~15.
+"""Mixture-of-experts MLPs as one native operation, not ~15.
 
 mlx-lm's `SwitchGLU` runs a decode step's experts as broadcasts, three expert products, the
 activation and, in the block around it, the weighting by the router's scores and the sum: each an
@@ -7,8 +7,12 @@ expert. `fuse_moe_blocks` gives each qwen3_moe `Qwen3MoeSparseMoeBlock` and gpt_
 whose experts all run on the kernels (`expert_layers.KernelSwitchLinear`) a `__call__` that
 hands x to `moe_routed`: the router product, each token's top k and scores as mlx-lm computes
 them, then gate and up of every chosen expert as one pool job, the activation, down, the weighted
-sum. A router not on the kernels routes in MLX ops, then `moe_mlp` does the rest. Inputs of
-more than `MAX_TOKENS` tokens (prefill) keep mlx-lm's path, which groups many tokens by expert.
+sum. A router not on the kernels routes in MLX ops, then `moe_mlp` does the rest.
+
+Prefill chunks take the same operations: past the kernels' row block (kMaxRows, 8 tokens) they
+group the (token, expert) pairs by expert and run all experts' products as a few pool jobs a
+layer (native/kernels/moe_prefill.h), where mlx-lm's path sorts and copies x for each of its three
+expert products and runs the activation, weighting and sum as MLX ops over [tokens, k, ...].
 
 Like `fused_layers`, only the block's class changes (a mixin in front): parameters, modules and
 sharding see the same model. `SHOAL_FUSED_LAYERS=0` turns this off too.
@@ -25,10 +29,6 @@ from node.cpu.expert_layers import KernelSwitchLinear
 from node.cpu.fused_layers import fused_layers_enabled, projection
 from node.cpu.kernel_layers import KernelQuantizedLinear
 from node.cpu.mixins import with_mixin
-
-MAX_TOKENS = 8
-"""Tokens up to which a block runs as one operation (the kernels' row block, kMaxRows): decode and
-the few rows continuous batching brings. More go through mlx-lm's sort by expert."""
 
 FUSABLE_BLOCKS = (
     ("mlx_lm.models.qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -77,14 +77,12 @@ def is_fusable_moe(block: Any) -> bool:
 
 
 class _FusedMoe:
-    """Mixed in before a fusable block's class: a few tokens go through `moe_mlp`."""
+    """Mixed in before a fusable block's class: its tokens go through `moe_routed` / `moe_mlp`."""
 
     _kernels: ModuleType
     fused_moe = True  # what fused_layers looks for (it cannot import this module: a cycle)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] > MAX_TOKENS:
-            return super().__call__(x)  # type: ignore[misc]
         block: Any = self
         experts = _experts(block)
         qwen = "switch_mlp" in block  # qwen3_moe: softmax over all experts, the top k (renormalized)
