@@ -17,6 +17,7 @@ from node.cpu.expert_layers import KernelSwitchLinear
 from node.native import KernelLoad, load_kernels
 from node.runner.engine import load_model
 from tests.decode_agreement import assert_same_text, greedy_tokens
+from tests.kernel_error import int8_rows
 from tests.model_factory import (
     _random_parameters,
     _special_ids,
@@ -175,9 +176,10 @@ def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_rou
     builtin_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode through moe_routed (node/cpu/moe_blocks.py) in fused decoder layers against the same
-    kernels through mlx-lm's layers and SwitchGLU (SHOAL_FUSED_LAYERS=0): the same greedy text, and
+    kernels through mlx-lm's layers and SwitchGLU (SHOAL_FUSED_LAYERS=0): the same text, and
     for a batch of 3 rows (continuous batching) and 9 (the prefill path) the same block outputs within
-    the int16 rounding."""
+    the activations' rounding: int16 at prefill (moe_prefill's gemm), where SwitchGLU's groups of up
+    to 8 rows take the rows kernel, whose 4-bit activations may be int8 (tests/kernel_error.py)."""
     from mlx_lm.utils import load
 
     from node.cpu.fused_layers import _FusedBlock
@@ -195,11 +197,12 @@ def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_rou
     assert all(isinstance(layer, _FusedBlock) for layer in fused[0].layers)
     assert not any(isinstance(layer.mlp, _FusedMoe) for layer in plain[0].layers)
     for prompt in ([1000], list(range(300, 312))):
-        assert greedy_tokens(fused[0], fused[1], prompt, n=24) == greedy_tokens(
-            plain[0], plain[1], prompt, n=24
-        )
+        assert_same_text(fused[0], fused[1], plain[0], plain[1], prompt)
     for rows in (3, 9):
         x = mx.random.normal((rows, 1, 128))
         got, want = blocks[0](x), plain[0].layers[0].mlp(x)
         assert got.shape == want.shape == (rows, 1, 128)
-        assert mx.all(mx.abs(got - want) < 1e-3 * mx.abs(want).max()).item()
+        # SwitchGLU's int8 steps of max |x| / 254 through the activation: 1.1-1.8% of max |y|
+        # measured (int16: 1e-5); a wrong expert, row or activation: ~100%
+        tolerance = 4e-2 if rows > 8 and int8_rows(4) else 1e-3
+        assert mx.all(mx.abs(got - want) < tolerance * mx.abs(want).max()).item()
