@@ -214,31 +214,36 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
 template <bool BF, int MB>
 void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0);
 // The int8-activation body of a 4-bit row (FP4: MXFP4), for kernels whose `prepare` writes int8
-// activations for 4-bit weights (int8_prepare): defined by avx512.cpp only.
+// activations for 4-bit weights (int8_prepare), with its scales in registers (no prologue):
+// defined by avx512.cpp only.
 template <int MB, bool FP4>
-void int8_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
-               int m0);
+void int8_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0);
 
-// The body of a quantized row: int8 activations for 4-bit weights when I8, else int16.
-template <int MB, bool I8>
-constexpr auto quantized_body(Format format) {
-  if constexpr (I8) {
-    if (format == Format::Affine4) return int8_body<MB, false>;
-    if (format == Format::Mxfp4) return int8_body<MB, true>;
-  }
-  return format == Format::Affine4 ? affine_body<4, MB> : format == Format::Mxfp4 ? affine_body<4, MB, true>
-                                                                                  : affine_body<8, MB>;
+// Whether a row of this format goes to int8_body (I8: the kernels' 4-bit activations are int8).
+template <bool I8>
+constexpr bool int8_format(Format format) {
+  return I8 && (format == Format::Affine4 || format == Format::Mxfp4);
 }
 
 // A weight row against rows [m0, m0 + MB) of x through the row bodies.
 template <int MB, bool I8>
 void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
+  if constexpr (I8) {
+    if (int8_format<I8>(w.format))
+      return (w.format == Format::Mxfp4 ? int8_body<MB, true> : int8_body<MB, false>)(w, a, row, y, ldy, n, m0);
+  }
   switch (w.format) {
     case Format::Affine4:
+      row_scales<MB>(w, a, n, m0, sx);
+      affine_body<4, MB>(w, a, row, sx, y, ldy, n, m0);
+      break;
     case Format::Affine8:
+      row_scales<MB>(w, a, n, m0, sx);
+      affine_body<8, MB>(w, a, row, sx, y, ldy, n, m0);
+      break;
     case Format::Mxfp4:
       row_scales<MB>(w, a, n, m0, sx);
-      quantized_body<MB, I8>(w.format)(w, a, row, sx, y, ldy, n, m0);
+      affine_body<4, MB, true>(w, a, row, sx, y, ldy, n, m0);
       break;
     case Format::F16:
       half_row<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
@@ -259,10 +264,12 @@ void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, in
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
   const long per_row = 4l * (w.K / 32) + 8;
   sx.resize(static_cast<size_t>(2 * per_row));
-  if (a.M == 1 && is_grouped(w.format) && n0 < n1) {
+  if (a.M == 1 && is_grouped(w.format) && !int8_format<I8>(w.format) && n0 < n1) {
     // Decode: the next row's prologue is written before this row's products read theirs, so those
     // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
-    const auto body = quantized_body<1, I8>(w.format);
+    const auto body = w.format == Format::Affine4 ? affine_body<4, 1>
+                      : w.format == Format::Mxfp4 ? affine_body<4, 1, true>
+                                                  : affine_body<8, 1>;
     row_scales<1>(w, a, n0, 0, sx.data());
     for (int n = n0; n < n1; n++) {
       if (n + 1 < n1) row_scales<1>(w, a, n + 1, 0, sx.data() + ((n + 1 - n0) & 1) * per_row);

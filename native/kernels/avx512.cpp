@@ -182,8 +182,6 @@ inline void int8_nibbles(V v, V* lo, V* hi) {
   }
 }
 
-// A step of 4 chunks (64 bytes) from chunk c against MB rows of int8 x (Acts: row stride 2K bytes): each
-// int32 lane sums 4 byte products, lanes 4i .. 4i + 3 chunk c + i (step_scales<4>'s order).
 // The int32 sums a product of chunk c on starts from: MXFP4, the x's offset sums; else zero.
 template <bool FP4, typename V>
 inline V int8_start(const int8_t* x, int K, int c) {
@@ -194,9 +192,12 @@ inline V int8_start(const int8_t* x, int K, int c) {
   if constexpr (sizeof(V) == 16) return _mm_loadu_si128(static_cast<const __m128i*>(at));
 }
 
+// A step of 4 chunks (64 bytes) from chunk c against MB rows of int8 x (Acts: row stride 2K bytes):
+// each int32 lane sums 4 byte products, lanes 4i .. 4i + 3 chunk c + i, scaled by the lanes `at`
+// picks of each row's 16 group scales (scale x activation scale).
 template <int MB, bool FP4>
-__attribute__((always_inline)) inline void int8_step(const uint8_t* row, const int8_t* xq, int K, const float* sxc,
-                                                     int chunks, int c, __m512* into) {
+__attribute__((always_inline)) inline void int8_step(const uint8_t* row, const int8_t* xq, int K, int c, __m512i at,
+                                                     const __m512* scales, __m512* into) {
   __m512i lo, hi;
   int8_nibbles<FP4>(load512(row + c * 16), &lo, &hi);
   for (int m = 0; m < MB; m++) {
@@ -204,67 +205,124 @@ __attribute__((always_inline)) inline void int8_step(const uint8_t* row, const i
     const int8_t* x = xm + c * 32;
     const __m512i start = int8_start<FP4, __m512i>(xm, K, c);
     const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, load512(x)), hi, load512(x + 64));
-    into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), step_scales<4>(sxc + m * chunks + c), into[m]);
+    into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, scales[m]), into[m]);
   }
 }
 
-// affine_body's scheme on int8 activations (Acts): two VNNI byte products a 64-byte step.
+// 16 scales (or biases) from element i as floats, 0 in the lanes `mask` leaves out.
+inline __m512 scales16(const void* p, ScaleType t, long i, __mmask16 mask) {
+  switch (t) {
+    case ScaleType::F32:
+      return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+    case ScaleType::F16:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
+    case ScaleType::BF16:
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
+    case ScaleType::E8M0: {  // as scales8: 2^(e - 128), e = 0 at the floor
+      const __m128i e = _mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i);
+      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(e), 23));
+      return _mm512_maskz_max_ps(mask, _mm512_mul_ps(f, _mm512_set1_ps(0.5f)), _mm512_set1_ps(0x1p-128f));
+    }
+  }
+  return _mm512_setzero_ps();
+}
+
+// Lane l of step j of a run of 16 groups of P chunks each (P = 1, 2, 4): the group of its chunk,
+// 4j + l / 4 of the run's chunks, so the scale a step's lane takes.
+struct StepGroups {
+  alignas(64) int32_t at[3][16][16];
+  constexpr StepGroups() : at{} {
+    for (int l2 = 0; l2 < 3; l2++)
+      for (int j = 0; j < 16; j++)
+        for (int l = 0; l < 16; l++) at[l2][j][l] = ((4 * j + l / 4) >> l2) & 15;
+  }
+};
+constexpr StepGroups kStepGroups;
+
+// affine_body's scheme on int8 activations (Acts): two VNNI byte products a 64-byte step. The
+// scales need no prologue: a run of 16 groups at a time has its scales x activation scales in one
+// register per row of x (a step's lanes pick theirs with one permute) and adds its biases x
+// activation sums into the sums at once, so nothing is stored and read back per row.
 template <int MB, bool FP4>
-void int8_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
-               int m0) {
-  const int K = w.K, chunks = K / 32, steps = chunks / 4, row_bytes = chunks * 16;
-  const float* bias_sum = sxc + MB * chunks;
-  __m512 acc0[MB], acc1[MB];
+void int8_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0) {
+  const int K = w.K, chunks = K / 32, groups = a.groups, per_group = w.group_size / 32;
+  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2, run_chunks = 16 * per_group;
+  const long first = static_cast<long>(n) * groups;  // the row's first scale
+  const int row_bytes = chunks * 16;
+  const float z = symmetric_bias(w, 1.0f);
+  __m512 acc0[MB], acc1[MB], scales[MB];
   __m256 tail[MB];
   for (int m = 0; m < MB; m++) {
     acc0[m] = acc1[m] = _mm512_setzero_ps();
     tail[m] = _mm256_setzero_ps();
   }
   const int8_t* xq = reinterpret_cast<const int8_t*>(a.xq + static_cast<long>(m0) * K);
-  int s = 0;
-  for (; s + 2 <= steps; s += 2) {
-    const uint8_t* at = row + s * kStep;
-    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at + kStep + kPrefetchBytes), _MM_HINT_T0);
-    int8_step<MB, FP4>(row, xq, K, sxc, chunks, s * 4, acc0);
-    int8_step<MB, FP4>(row, xq, K, sxc, chunks, s * 4 + 4, acc1);
-  }
-  for (int off = s * kStep; off < row_bytes; off += 64)
+  const int steps = chunks / 4;
+  for (int off = 0; off < std::min(row_bytes, 2 * kStep); off += 64)  // the row's first lines, now
     _mm_prefetch(reinterpret_cast<const char*>(row + off + kPrefetchBytes), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
-  if (s < steps) int8_step<MB, FP4>(row, xq, K, sxc, chunks, s++ * 4, acc0);
-  int c = steps * 4;
-  if (c + 2 <= chunks) {  // a span of 2 chunks: lanes 0-3 chunk c, 4-7 chunk c + 1
-    __m256i lo, hi;
-    int8_nibbles<FP4>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16)), &lo, &hi);
+  int c = 0;
+  for (int g0 = 0; g0 < groups; g0 += 16) {
+    const int count = std::min(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 s = scales16(w.scales, w.scale_type, first + g0, mask);
+    const __m512 b = w.biases ? scales16(w.biases, w.scale_type, first + g0, mask) : _mm512_mul_ps(s, _mm512_set1_ps(z));
     for (int m = 0; m < MB; m++) {
-      const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
-      const int8_t* x = xm + c * 32;
-      const __m256i start = int8_start<FP4, __m256i>(xm, K, c);
-      const __m256i p = _mm256_dpbusd_epi32(
-          _mm256_dpbusd_epi32(start, lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), hi,
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
-      const float* sx = sxc + m * chunks + c;
-      tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx)),
-                                tail[m]);
+      const long r = static_cast<long>(m0 + m) * groups + g0;
+      scales[m] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mask, a.xscale + r));
+      acc1[m] = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(mask, a.xsum + r), acc1[m]);
     }
-    c += 2;
+    // This run's whole steps, two at a time (one accumulator each), then one.
+    const int end = std::min(steps, (g0 * per_group + run_chunks) / 4);
+    const int32_t(*at)[16] = kStepGroups.at[shift];
+    int j = 0;  // the step within the run
+    for (; c / 4 + 2 <= end; c += 8, j += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + c * 16 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + c * 16 + kStep + kPrefetchBytes), _MM_HINT_T0);
+      int8_step<MB, FP4>(row, xq, K, c, _mm512_load_si512(at[j]), scales, acc0);
+      int8_step<MB, FP4>(row, xq, K, c + 4, _mm512_load_si512(at[j + 1]), scales, acc1);
+    }
+    if (c / 4 < end) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + c * 16 + kPrefetchBytes), _MM_HINT_T0);
+      int8_step<MB, FP4>(row, xq, K, c, _mm512_load_si512(at[j]), scales, acc0);
+      c += 4;
+    }
   }
-  if (c < chunks) {  // a last lone chunk
-    __m128i lo, hi;
-    int8_nibbles<FP4>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)), &lo, &hi);
-    for (int m = 0; m < MB; m++) {
-      const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
-      const int8_t* x = xm + c * 32;
-      const __m128i start = int8_start<FP4, __m128i>(xm, K, c);
-      const __m128i p = _mm_dpbusd_epi32(_mm_dpbusd_epi32(start, lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x))),
-                                         hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
-      tail[m] = _mm256_fmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(p)), _mm256_broadcast_ss(sxc + m * chunks + c),
-                                tail[m]);
+  if (c < chunks) {  // the row's last 1-3 chunks: spans of 2, then 1, scaled from the last run's registers
+    alignas(64) float last[MB][16];
+    for (int m = 0; m < MB; m++) _mm512_store_ps(last[m], scales[m]);
+    const int base = (groups - 1) / 16 * 16 * per_group;  // the last run's first chunk
+    const auto scale_of = [&](int m, int chunk) { return last[m][(chunk - base) / per_group]; };
+    if (c + 2 <= chunks) {  // lanes 0-3 chunk c, 4-7 chunk c + 1
+      __m256i lo, hi;
+      int8_nibbles<FP4>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16)), &lo, &hi);
+      for (int m = 0; m < MB; m++) {
+        const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
+        const int8_t* x = xm + c * 32;
+        const __m256i start = int8_start<FP4, __m256i>(xm, K, c);
+        const __m256i p = _mm256_dpbusd_epi32(
+            _mm256_dpbusd_epi32(start, lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), hi,
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+        const __m256 scale = _mm256_set_m128(_mm_set1_ps(scale_of(m, c + 1)), _mm_set1_ps(scale_of(m, c)));
+        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, tail[m]);
+      }
+      c += 2;
+    }
+    if (c < chunks) {  // a last lone chunk
+      __m128i lo, hi;
+      int8_nibbles<FP4>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)), &lo, &hi);
+      for (int m = 0; m < MB; m++) {
+        const int8_t* xm = xq + static_cast<long>(m) * 2 * K;
+        const int8_t* x = xm + c * 32;
+        const __m128i start = int8_start<FP4, __m128i>(xm, K, c);
+        const __m128i p = _mm_dpbusd_epi32(_mm_dpbusd_epi32(start, lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x))),
+                                           hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+        tail[m] = _mm256_fmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(p)), _mm256_set1_ps(scale_of(m, c)), tail[m]);
+      }
     }
   }
   for (int m = 0; m < MB; m++)
-    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]) + bias_sum[m];
+    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]);
 }
 
 // `prepare` for int8 bodies: 4-bit weights' x rounded to int8 per group (amax / 127 a step) in
