@@ -1,7 +1,7 @@
 """Whether a model on the kernels writes its reference's text (float32, or another route).
 
 With int16 activations the kernels' products are within ~1e-5 of float32, so greedy text is the
-same token for token. Where the rows kernel rounds 4-bit weights' activations to int8 (kernels.h,
+same token for token. Where the rows kernel rounds quantized weights' activations to int8 (kernels.h,
 Acts) the logits move by ~0.3% of their range (measured on these random models), and a random
 model's near-ties can then fall the other way. So there both models decode the reference's own
 greedy tokens (teacher-forced, a token a step: the rows kernel's path) and every step's logits

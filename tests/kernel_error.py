@@ -1,7 +1,7 @@
 """How far a kernel product may be from the float64 product of the same weights, as the kernel
 tests measure it: relative to the product's own scale |x| @ |w| (outputs can cancel to ~0).
 
-Where the rows kernel rounds 4-bit weights' activations to int8 (native/kernels/kernels.h, Acts),
+Where the rows kernel rounds quantized weights' activations to int8 (native/kernels/kernels.h, Acts),
 each x moves by at most half its group's step, max |x| / 254: an error the test knows exactly,
 so it allows that bound (|w| @ half steps) and holds the rest to float rounding (RELATIVE). A
 wrong layout, scale or bias gives errors of the product's own size, far past both."""
@@ -18,9 +18,10 @@ RELATIVE = 1e-4
 
 def int8_rows(bits: int) -> bool:
     """Whether the active kernels round x to int8 for `bits`-bit weights (the rows kernel, at most
-    8 rows of x; prefill's gemm keeps int16, whose error is far inside the bound)."""
+    8 rows of x; prefill's gemm keeps int16, whose error is far inside the bound; 16-bit weights
+    take x as it is)."""
     module = load_kernels().module
-    return module is not None and bits == 4 and bool(module.int8_activations())
+    return module is not None and bits in (4, 8) and bool(module.int8_activations())
 
 
 def half_steps(x: np.ndarray, group: int) -> np.ndarray:

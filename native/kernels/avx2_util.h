@@ -213,24 +213,28 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
                  int m0);
 template <bool BF, int MB>
 void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0);
-// The int8-activation body of a 4-bit row (FP4: MXFP4), for kernels whose `prepare` writes int8
-// activations for 4-bit weights (int8_prepare), with its scales in registers (no prologue):
-// defined by avx512.cpp only.
-template <int MB, bool FP4>
+// The int8-activation body of a quantized row (BITS 4 or 8; FP4: MXFP4), for kernels whose
+// `prepare` writes int8 activations (int8_prepare), its scales in registers (no prologue):
+// avx512_int8.h.
+template <int BITS, int MB, bool FP4>
 void int8_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0);
 
-// Whether a row of this format goes to int8_body (I8: the kernels' 4-bit activations are int8).
+// Whether a row of this format goes to int8_body (I8: the kernels' activations are int8).
 template <bool I8>
 constexpr bool int8_format(Format format) {
-  return I8 && (format == Format::Affine4 || format == Format::Mxfp4);
+  return I8 && is_grouped(format);
 }
 
 // A weight row against rows [m0, m0 + MB) of x through the row bodies.
 template <int MB, bool I8>
 void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
   if constexpr (I8) {
-    if (int8_format<I8>(w.format))
-      return (w.format == Format::Mxfp4 ? int8_body<MB, true> : int8_body<MB, false>)(w, a, row, y, ldy, n, m0);
+    if (int8_format<I8>(w.format)) {
+      const auto body = w.format == Format::Mxfp4   ? int8_body<4, MB, true>
+                        : w.format == Format::Affine4 ? int8_body<4, MB, false>
+                                                      : int8_body<8, MB, false>;
+      return body(w, a, row, y, ldy, n, m0);
+    }
   }
   switch (w.format) {
     case Format::Affine4:
@@ -254,7 +258,7 @@ void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, f
   }
 }
 
-// The `rows` kernel of an ISA (through its row bodies; I8: int8_body for 4-bit weights). Rows of x
+// The `rows` kernel of an ISA (through its row bodies; I8: int8_body for quantized ones). Rows of x
 // go in blocks of at most 4 per pass over a weight row (more would spill registers; the row is
 // still in L1 for the second pass).
 template <bool I8 = false>

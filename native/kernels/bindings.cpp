@@ -41,7 +41,7 @@ NB_MODULE(_kernels, m) {
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });
   m.def("int8_activations", [] { return shoal::active_kernels().int8; },
-        "Whether the rows kernel rounds 4-bit weights' activations to int8 (else int16).");
+        "Whether the rows kernel rounds quantized weights' activations to int8 (else int16).");
   m.def("has_blas", &shoal::has_blas);
   m.def("threads", &shoal::pool_threads);
   // Fused CPU versions of mx.fast.rms_norm / rope / scaled_dot_product_attention (node/runner/fused.py).

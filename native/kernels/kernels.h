@@ -39,15 +39,16 @@ struct Weights {
 // Activations as the small-batch affine kernels read them: x quantized to int16 per weight group
 // (the int16 x 4/8-bit products run on integer multiply-adds at twice the rate of float FMAs,
 // and an int16 grid keeps the relative error near 1e-5, far below the weights' own).
-// Kernels with int8 bodies (AVX-512 VNNI, `int8_prepare`) take 4-bit weights' activations as int8
-// instead, as llama.cpp does (its Q8 activations): a byte product does twice the multiply-adds of
-// an int16 one per instruction, on half the unpacking, and the 4-bit rows kernel is bound by those
-// instructions, not by memory. Each x then moves by at most half its group's step, amax / 254:
-// an error like a second, far finer quantization of the weights, so it is checked against
-// that bound (tests/kernel_error.py), not against the float32 product's last bits. Their order:
-// a span of S chunks (as affine_position's: 4 chunks, then 2, then 1) is its 16S evens, then its
-// 16S odds (a weight byte's low and high nibbles); for MXFP4, the int32 after the K bytes are, per
-// 8 values of a chunk in a product's lanes, -kFp4Offset x their sum (kernels.h, kFp4Offset).
+// Kernels with int8 bodies (AVX-512 VNNI, avx512_int8.h) take quantized weights' activations as
+// int8 instead, as llama.cpp does (its Q8 activations): a byte product does twice the
+// multiply-adds of an int16 one per instruction, on half the unpacking, and the rows kernel is
+// bound by those instructions, not by memory. Each x then moves by at most half its group's step,
+// amax / 254: an error like a second, far finer quantization of the weights, so it is checked
+// against that bound (tests/kernel_error.py), not against the float32 product's last bits. Their
+// order: 8-bit weights', x's own; 4-bit weights', a span of S chunks (as affine_position's: 4
+// chunks, then 2, then 1) is its 16S evens, then its 16S odds (a weight byte's low and high
+// nibbles); for MXFP4, the int32 after the K bytes are, per 8 values of a chunk in a product's
+// lanes, -kFp4Offset x their sum (kFp4Offset).
 struct Acts {
   int M, K, groups;
   const float* x;       // M x K, row-major
@@ -73,7 +74,7 @@ struct Kernels {
   // output rows [n0, n1), a multiple of kGemmRows apart, of activations `gemm_prepare` filled.
   RowsFn gemm = nullptr;
   PrepareFn gemm_prepare = nullptr;
-  bool int8 = false;  // 4-bit weights' activations are int8 (Acts), not int16
+  bool int8 = false;  // quantized weights' activations are int8 (Acts), not int16
 };
 
 constexpr int kMaxRows = 8;  // x with up to this many rows runs `rows`; more go to sgemm tiles or `gemm`
@@ -83,7 +84,7 @@ const Kernels& portable_kernels();
 // The AVX2+FMA+F16C kernels, or nullptr when this build has none.
 const Kernels* avx2_kernels();
 // The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none; int8: with int8
-// activations for 4-bit weights (Acts), else int16 throughout.
+// activations for quantized weights' decode (Acts), else int16 throughout.
 const Kernels* avx512_kernels(bool int8);
 // The same built with VBMI (avx512.cpp says what for), or nullptr.
 const Kernels* avx512vbmi_kernels(bool int8);

@@ -248,7 +248,7 @@ const Kernels& active_kernels() {
     // rule one out); otherwise the widest this CPU has.
     const char* cap = std::getenv("SHOAL_KERNEL_ISA");
     const std::string isa = cap ? cap : "";
-    // SHOAL_KERNEL_ACTS=int16 keeps int16 activations for 4-bit weights where the kernels would
+    // SHOAL_KERNEL_ACTS=int16 keeps int16 activations for quantized weights where the kernels would
     // take int8 (kernels.h, Acts): the exact route, to compare the two.
     const char* acts = std::getenv("SHOAL_KERNEL_ACTS");
     const bool int8 = !(acts && std::string(acts) == "int16");

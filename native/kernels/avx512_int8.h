@@ -1,0 +1,258 @@
+// The AVX-512 VNNI rows body on int8 activations (kernels.h, Acts), and its `prepare`: included by
+// avx512.cpp only (built with its flags, twice), in the anonymous namespace as avx2_util.h is.
+//
+// A step reads one 64-byte line of a weight row and multiplies its bytes with the activations' by
+// `vpdpbusd` (unsigned weight byte x signed int8 x, 4 products summed a lane, 64 a instruction):
+// 4-bit rows as their low nibbles against a span's even x and their high ones against its odd x
+// (4 chunks a step, lanes 4i .. 4i + 3 chunk i), 8-bit rows byte for byte against x in its own
+// order (2 chunks a step, lanes 8i .. 8i + 7 chunk i). The scales need no prologue: a run of 16
+// groups at a time has its scales x activation scales in one register per row of x (a step's lanes
+// pick theirs with one permute) and adds its biases x activation sums into the sums at once, so
+// nothing is stored and read back per row. Each output is computed the same way whatever the
+// number of rows, so a sequence gives the same bits alone or in a batch.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "avx2_util.h"
+#include "kernels.h"
+
+namespace shoal {
+namespace {  // NOLINT(google-build-namespaces): see avx2_util.h
+
+constexpr int kInt8Step = 64;  // bytes of a weight row per step: one cache line
+
+// The bytes of a 4-bit span's low and high nibbles (FP4: MXFP4 codes as kE2M1x2 + kFp4Offset).
+template <bool FP4, typename V>
+inline void int8_nibbles(V v, V* lo, V* hi) {
+  alignas(16) static constexpr int8_t kOffset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  static_assert(kOffset[7] == kE2M1x2[7] + kFp4Offset && kOffset[15] == kE2M1x2[15] + kFp4Offset);
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kOffset));
+  if constexpr (sizeof(V) == 64) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    *lo = _mm512_and_si512(v, mask), *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    if constexpr (FP4) {
+      const __m512i lut = _mm512_broadcast_i32x4(table);
+      *lo = _mm512_shuffle_epi8(lut, *lo), *hi = _mm512_shuffle_epi8(lut, *hi);
+    }
+  } else if constexpr (sizeof(V) == 32) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, mask), *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    if constexpr (FP4) {
+      const __m256i lut = _mm256_broadcastsi128_si256(table);
+      *lo = _mm256_shuffle_epi8(lut, *lo), *hi = _mm256_shuffle_epi8(lut, *hi);
+    }
+  } else {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    *lo = _mm_and_si128(v, mask), *hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    if constexpr (FP4) *lo = _mm_shuffle_epi8(table, *lo), *hi = _mm_shuffle_epi8(table, *hi);
+  }
+}
+
+// The int32 sums a product of chunk c on starts from: MXFP4, the x's offset sums; else zero.
+template <bool FP4, typename V>
+inline V int8_start(const int8_t* x, int K, int c) {
+  if constexpr (!FP4) return V{};
+  const void* at = reinterpret_cast<const int32_t*>(x + K) + c * 4;
+  if constexpr (sizeof(V) == 64) return _mm512_loadu_si512(at);
+  if constexpr (sizeof(V) == 32) return _mm256_loadu_si256(static_cast<const __m256i*>(at));
+  if constexpr (sizeof(V) == 16) return _mm_loadu_si128(static_cast<const __m128i*>(at));
+}
+
+// The products of a span of weight bytes (V: 64, 32 or 16 of them) from chunk c with one row of x.
+template <int BITS, bool FP4, typename V>
+inline V int8_span(V v, const int8_t* xm, int K, int c) {
+  const int8_t* x = xm + c * 32;
+  const V start = int8_start<FP4, V>(xm, K, c);
+  if constexpr (sizeof(V) == 64) {
+    if constexpr (BITS == 8) return _mm512_dpbusd_epi32(start, v, _mm512_loadu_si512(x));
+    V lo, hi;
+    int8_nibbles<FP4>(v, &lo, &hi);
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(x)), hi, _mm512_loadu_si512(x + 64));
+  } else if constexpr (sizeof(V) == 32) {
+    const __m256i* x8 = reinterpret_cast<const __m256i*>(x);
+    if constexpr (BITS == 8) return _mm256_dpbusd_epi32(start, v, _mm256_loadu_si256(x8));
+    V lo, hi;
+    int8_nibbles<FP4>(v, &lo, &hi);
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, lo, _mm256_loadu_si256(x8)), hi, _mm256_loadu_si256(x8 + 1));
+  } else {
+    const __m128i* x8 = reinterpret_cast<const __m128i*>(x);
+    V lo, hi;
+    int8_nibbles<FP4>(v, &lo, &hi);
+    return _mm_dpbusd_epi32(_mm_dpbusd_epi32(start, lo, _mm_loadu_si128(x8)), hi, _mm_loadu_si128(x8 + 1));
+  }
+}
+
+// One step from chunk c against MB rows of int8 x (Acts: row stride 2K bytes), scaled by the
+// lanes `at` picks of each row's 16 group scales (scale x activation scale).
+template <int BITS, int MB, bool FP4>
+__attribute__((always_inline)) inline void int8_step(const uint8_t* row, const int8_t* xq, int K, int c, __m512i at,
+                                                     const __m512* scales, __m512* into) {
+  const __m512i v = _mm512_loadu_si512(row + c * BITS * 4);
+  for (int m = 0; m < MB; m++) {
+    const __m512i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
+    into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, scales[m]), into[m]);
+  }
+}
+
+// 16 scales (or biases) from element i as floats, 0 in the lanes `mask` leaves out.
+inline __m512 scales16(const void* p, ScaleType t, long i, __mmask16 mask) {
+  switch (t) {
+    case ScaleType::F32:
+      return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+    case ScaleType::F16:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
+    case ScaleType::BF16: {
+      const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case ScaleType::E8M0: {  // as scales8: 2^(e - 128), e = 0 at the floor
+      const __m128i e = _mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i);
+      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(e), 23));
+      return _mm512_maskz_max_ps(mask, _mm512_mul_ps(f, _mm512_set1_ps(0.5f)), _mm512_set1_ps(0x1p-128f));
+    }
+  }
+  return _mm512_setzero_ps();
+}
+
+// Lane l of step j of a run of 16 groups of 2^g chunks each: the group its chunk is in, for steps
+// of 4 chunks (4-bit: chunk 4j + l / 4 of the run) and of 2 (8-bit: 2j + l / 8).
+struct StepGroups {
+  alignas(64) int32_t at[2][3][32][16];
+  constexpr StepGroups() : at{} {
+    for (int b = 0; b < 2; b++)
+      for (int g = 0; g < 3; g++)
+        for (int j = 0; j < 32; j++)
+          for (int l = 0; l < 16; l++) at[b][g][j][l] = ((b ? 2 * j + l / 8 : 4 * j + l / 4) >> g) & 15;
+  }
+};
+constexpr StepGroups kStepGroups;
+
+// One weight row (BITS 4 or 8; FP4: MXFP4) against rows [m0, m0 + MB) of int8 activations. Steps
+// alternate between two accumulators per row of x, so no FMA waits on its predecessor.
+template <int BITS, int MB, bool FP4>
+void int8_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0) {
+  constexpr int per_step = kInt8Step * 8 / (32 * BITS);  // chunks
+  const int K = w.K, chunks = K / 32, groups = a.groups, per_group = w.group_size / 32;
+  const int32_t(*lanes)[16] = kStepGroups.at[BITS == 8][per_group == 1 ? 0 : per_group == 2 ? 1 : 2];
+  const long first = static_cast<long>(n) * groups;  // the row's first scale
+  const int row_bytes = chunks * BITS * 4, steps = chunks / per_step;
+  const float z = symmetric_bias(w, 1.0f);
+  __m512 acc0[MB], acc1[MB], scales[MB];
+  __m256 tail[MB];
+  for (int m = 0; m < MB; m++) {
+    acc0[m] = acc1[m] = _mm512_setzero_ps();
+    tail[m] = _mm256_setzero_ps();
+  }
+  const int8_t* xq = reinterpret_cast<const int8_t*>(a.xq + static_cast<long>(m0) * K);
+  auto prefetch = [&](int c) { _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes), _MM_HINT_T0); };
+  int s = 0;  // steps done
+  for (int g0 = 0; g0 < groups; g0 += 16) {
+    const int count = std::min(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 scale = scales16(w.scales, w.scale_type, first + g0, mask);
+    const __m512 bias = w.biases ? scales16(w.biases, w.scale_type, first + g0, mask) : _mm512_mul_ps(scale, _mm512_set1_ps(z));
+    for (int m = 0; m < MB; m++) {
+      const long r = static_cast<long>(m0 + m) * groups + g0;
+      scales[m] = _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(mask, a.xscale + r));
+      acc1[m] = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(mask, a.xsum + r), acc1[m]);
+    }
+    // This run's whole steps (runs are whole steps: 16 groups of 1, 2 or 4 chunks), two at a time.
+    const int run_first = s, end = std::min(steps, (g0 + 16) * per_group / per_step);
+    for (; s + 2 <= end; s += 2) {
+      prefetch(s * per_step), prefetch((s + 1) * per_step);
+      int8_step<BITS, MB, FP4>(row, xq, K, s * per_step, _mm512_load_si512(lanes[s - run_first]), scales, acc0);
+      int8_step<BITS, MB, FP4>(row, xq, K, (s + 1) * per_step, _mm512_load_si512(lanes[s + 1 - run_first]), scales,
+                               acc1);
+    }
+    if (s < end) {
+      prefetch(s * per_step);
+      int8_step<BITS, MB, FP4>(row, xq, K, s * per_step, _mm512_load_si512(lanes[s - run_first]), scales, acc0);
+      s++;
+    }
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
+  int c = steps * per_step;
+  if (c < chunks) {  // the row's last chunks (fewer than a step), scaled from the last run's registers
+    alignas(64) float last[MB][16];
+    for (int m = 0; m < MB; m++) _mm512_store_ps(last[m], scales[m]);
+    const int base = (groups - 1) / 16 * 16 * per_group;  // the last run's first chunk
+    const auto scale_of = [&](int m, int chunk) { return _mm_set1_ps(last[m][(chunk - base) / per_group]); };
+    if (BITS == 4 && c + 2 <= chunks) {  // a span of 2: lanes 0-3 chunk c, 4-7 chunk c + 1
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
+      for (int m = 0; m < MB; m++) {
+        const __m256i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
+        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c + 1), scale_of(m, c)), tail[m]);
+      }
+      c += 2;
+    }
+    if (c < chunks && BITS == 8) {  // a lone chunk of 32 bytes: 8 lanes
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+      for (int m = 0; m < MB; m++) {
+        const __m256i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
+        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c), scale_of(m, c)), tail[m]);
+      }
+    } else if (c < chunks) {  // a lone chunk of 16 bytes: 4 lanes
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+      for (int m = 0; m < MB; m++) {
+        const __m128i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
+        tail[m] = _mm256_fmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(p)),
+                                  _mm256_set_m128(_mm_setzero_ps(), scale_of(m, c)), tail[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]);
+}
+
+// `prepare` for int8 bodies: x rounded to int8 per group (amax / 127 a step), xsum the sum of
+// the rounded values; 8-bit weights' x in its own order, 4-bit weights' in spans' evens and odds
+// (kernels.h, Acts), MXFP4's followed by the sums that cancel kFp4Offset.
+void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
+  const bool spans = quant_bits(w.format) == 4;
+  thread_local std::vector<int8_t> natural;
+  natural.resize(static_cast<size_t>(K));
+  for (int m = 0; m < M; m++) {
+    const float* xr = x + static_cast<long>(m) * K;
+    int8_t* qr = reinterpret_cast<int8_t*>(xq + static_cast<long>(m) * K);
+    int8_t* to_natural = spans ? natural.data() : qr;
+    for (int g = 0; g < groups; g++) {
+      const float* xg = xr + g * gs;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int i = 0; i < gs; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m512i total = _mm512_setzero_si512();
+      for (int i = 0; i < gs; i += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
+        total = _mm512_add_epi32(total, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(to_natural + g * gs + i), _mm512_cvtepi32_epi8(q));
+      }
+      xscale[m * groups + g] = amax / 127.0f;
+      xsum[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(total)) * (amax / 127.0f);
+    }
+    if (!spans) continue;
+    int32_t* offsets = reinterpret_cast<int32_t*>(qr + K);  // MXFP4: per lane of 8 values
+    int c = 0;  // spans of 4 chunks, then of 2, then 1
+    for (int size = 4; size >= 1; size /= 2) {
+      for (; c + size <= chunks; c += size) {
+        const int8_t* from = natural.data() + c * 32;
+        int8_t* to = qr + c * 32;
+        for (int e = 0; e < 32 * size; e++) to[(e & 1) * 16 * size + (e >> 1)] = from[e];
+        if (w.format != Format::Mxfp4) continue;
+        for (int i = 0; i < 4 * size; i++) {
+          int sum = 0;
+          for (int j = 0; j < 4; j++) sum += to[4 * i + j] + to[16 * size + 4 * i + j];
+          offsets[c * 4 + i] = -kFp4Offset * sum;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shoal
