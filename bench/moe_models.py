@@ -1,7 +1,7 @@
 """Random mixture-of-experts models for `bench/vs_llamacpp.py`: qwen3moe and gpt-oss, as GGUF and MLX.
 
 Shapes (full; `--small` halves them for developing the benchmark; expert widths stay multiples
-of 256, or llama-quantize's Q4_K_M falls back to Q5_0, a type Shoal's expert kernels do not take):
+of 256, or llama-quantize's Q4_K_M falls back to Q5_0, which Shoal holds at 8 bits, not 5.5):
 - qwen3moe, Qwen3-30B-A3B scaled down: 8 layers, hidden 2048, 32 query / 4 KV heads of 128, 64
   experts of width 768, top-8, SmolLM2's 49k tokenizer, untied head (2.77B parameters, 0.56B of
   them read per token).

@@ -46,8 +46,8 @@ def test_the_import_runs_in_a_child_process(
 
 
 def test_a_child_import_error_comes_back_with_its_message(tmp_path: Path) -> None:
-    write_tiny_gguf(TinyModel("llama", types={"attn_v": Q.Q5_0}, default=Q.F32), tmp_path / "bad.gguf")
-    with pytest.raises(GGUFImportError, match=r"tensor 'blk\.\d\.attn_v\.weight' has type Q5_0"):
+    write_tiny_gguf(TinyModel("llama", types={"attn_v": Q.Q3_K}, default=Q.F32), tmp_path / "bad.gguf")
+    with pytest.raises(GGUFImportError, match=r"tensor 'blk\.\d\.attn_v\.weight' has type Q3_K"):
         ensure_gguf_model(tmp_path / "bad.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -32,7 +32,7 @@ from tests.test_gguf_arch import llama_cpp_rope_factors
 from tests.test_gguf_quants import random_k_blocks
 
 Q = GGMLQuantizationType
-EXACT = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.MXFP4}
+EXACT = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4}
 READ = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 """Types the import reads but not exactly: fp16-rounded scales, or requantized (Q6_K)."""
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -261,7 +261,9 @@ CASES = {
         tied=True,
         rope_freqs=True,
     ),
-    "qwen2-tied-biases": TinyModel("qwen2", types={"ffn_down": Q.Q5_K, "attn_q": Q.Q4_K}, tied=True),
+    "qwen2-tied-biases": TinyModel(
+        "qwen2", types={"ffn_down": Q.Q5_K, "attn_q": Q.Q4_K, "attn_v": Q.Q5_0, "ffn_gate": Q.Q5_1}, tied=True
+    ),
     "qwen3-untied-qk-norms": TinyModel(
         "qwen3", types={"attn_q": Q.Q4_1, "output": Q.Q6_K}, default=Q.F32, head_dim=128
     ),
@@ -358,7 +360,7 @@ def test_imported_layers_and_logits_match_gguf_py(name: str, tmp_path: Path) -> 
     assert float(np.abs(got_logits - want_logits).max()) <= worst * float(np.abs(want_logits).max())
 
 
-@pytest.mark.parametrize(("part", "qtype"), [("attn_v", Q.Q5_0), ("ffn_up", Q.Q2_K), ("output", Q.IQ4_NL)])
+@pytest.mark.parametrize(("part", "qtype"), [("attn_v", Q.Q3_K), ("ffn_up", Q.Q2_K), ("output", Q.IQ4_NL)])
 def test_an_unsupported_type_is_refused_naming_it(part: str, qtype: Q, tmp_path: Path) -> None:
     spec = TinyModel("llama", types={part: qtype}, default=Q.F32)
     write_tiny_gguf(spec, tmp_path / "bad.gguf")

@@ -89,6 +89,22 @@ def test_legacy_types_are_exactly_what_mx_load_gives(qtype: GGMLQuantizationType
     assert np.array_equal(affine_dequantize(parts, bits), dequantize(raw, qtype))  # exact
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1])
+def test_five_bit_legacy_types_are_exactly_gguf_pys_values(qtype: GGMLQuantizationType) -> None:
+    """No MLX reader takes them: checked against gguf-py's dequantize, every one of the 32 levels."""
+    data = np.random.default_rng(2).standard_normal((ROWS, COLS)).astype(np.float32) * 0.05
+    raw = quantize(data, qtype)
+    parts = convert_rows(qtype, raw, COLS)
+    assert parts[0].shape == (ROWS, COLS // 4) and parts[1].dtype == np.float16
+    assert np.array_equal(affine_dequantize(parts, 8), dequantize(raw, qtype))
+    levels = np.array(
+        mx.dequantize(
+            mx.array(parts[0]), mx.ones(parts[1].shape), mx.zeros(parts[1].shape), group_size=32, bits=8
+        )
+    )
+    assert set(np.unique(levels)) == set(range(32))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K])
 def test_k_quants_only_round_their_scales_to_fp16(qtype: GGMLQuantizationType) -> None:
     raw = random_k_blocks(qtype, ROWS, COLS)
@@ -146,7 +162,7 @@ def test_requantize_is_symmetric_and_handles_constant_groups() -> None:
     assert np.allclose(got[1, :32], 0.25, rtol=2.0**-10, atol=0)  # max|w| -> 127 steps of an fp16 scale
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.F16])
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ2_XS, Q.F16])
 def test_other_types_are_refused_by_name(qtype: GGMLQuantizationType) -> None:
     with pytest.raises(UnsupportedQuantError, match=qtype.name):
         convert_rows(qtype, np.zeros((1, 8), np.uint8), 256)

@@ -32,8 +32,8 @@ def _refused_file(case: str, folder: Path) -> Path:
     path = folder / f"{case.replace(' ', '-')}.gguf"
     if case == "bert":
         write_tiny_gguf(TinyModel("bert"), path)
-    elif case == "Q5_0 weights":
-        write_tiny_gguf(TinyModel("llama", types={"attn_q": Q.Q5_0}), path)
+    elif case == "Q3_K weights":
+        write_tiny_gguf(TinyModel("llama", types={"attn_q": Q.Q3_K}), path)
     elif case == "unknown pre-tokenizer":
         write_tiny_gguf(TinyModel("llama", pre="nonsense"), path)
     elif case == "truncated":
@@ -46,7 +46,7 @@ def _refused_file(case: str, folder: Path) -> Path:
 
 REFUSED = {
     "bert": "architecture 'bert' is not supported",
-    "Q5_0 weights": "tensor 'blk.0.attn_q.weight' has type Q5_0: not supported",
+    "Q3_K weights": "tensor 'blk.0.attn_q.weight' has type Q3_K: not supported",
     "unknown pre-tokenizer": "pre-tokenizer 'nonsense' is not supported",
     "truncated": "cannot read",
     "not a GGUF": "GGUF magic invalid",

@@ -9,12 +9,16 @@ of the row's uint32 words (little end first). The GGUF types map onto it as foll
 | Q4_0 | 32: fp16 d, 4-bit q; w = d * (q - 8) | 4-bit, scale d, bias -8d | yes |
 | Q4_1 | 32: fp16 d, m, 4-bit q; w = d * q + m | 4-bit, scale d, bias m | yes |
 | Q8_0 | 32: fp16 d, int8 x; w = d * x | 8-bit, q = x + 128, bias -128d | yes |
+| Q5_0 | 32: fp16 d, 32 high bits, 4-bit q; w = d * (q - 16) | 8-bit (q 0..31 fits), bias -16d | yes |
+| Q5_1 | 32: fp16 d, m, 32 high bits, 4-bit q; w = d * q + m | 8-bit, scale d, bias m | yes |
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m; 32 4-bit q); w = d*sc*q - dmin*m | 4-bit | fp16 scales |
 | Q5_K | as Q4_K with 5-bit q | 8-bit (q 0..31 fits) | fp16 scales |
 | Q6_K | 256: fp16 d; 16 x (int8 sc, 16 6-bit q); w = d*sc*(q - 32) | 8-bit symmetric, requantized | no |
 | MXFP4 | 32: E8M0 e, 4-bit E2M1 q; w = e2m1(q) * 2^(e-127) | MLX `mxfp4` (scale byte e, no biases) | yes |
 
-Q4_0/Q4_1/Q8_0 come out exactly as `mx.load` of the GGUF gives them (a test checks it). For
+Q4_0/Q4_1/Q8_0 come out exactly as `mx.load` of the GGUF gives them (a test checks it); Q5_0/Q5_1
+(llama-quantize's Q4_K/Q5_K fallbacks for rows that are not whole 256-weight blocks, as SmolLM2's
+576 or gpt-oss's 2880) exactly as gguf-py dequantizes them, at 8 bits (+2.5 bits a weight). For
 Q4_K/Q5_K, `d*sc` and `dmin*m` are exact in float32 but stored as float16 like the other types'
 scales: each group's scale s and bias b is rounded to fp16 (relative error <= 2^-11, absolute
 <= 2^-25 for subnormal values), so a weight moves by <= 2^-11 (q|s| + |b|): 1-2% of a step s
@@ -49,6 +53,8 @@ AFFINE_BITS: dict[GGMLQuantizationType, int] = {
     Q.Q4_0: 4,
     Q.Q4_1: 4,
     Q.Q8_0: 8,
+    Q.Q5_0: 8,
+    Q.Q5_1: 8,
     Q.Q4_K: 4,
     Q.Q5_K: 8,
     Q.Q6_K: 8,
@@ -107,13 +113,25 @@ def _k_scale_min(scales: U8) -> tuple[U8, U8]:
     return sc, mn
 
 
+def _five_bits(blocks: U8, start: int) -> U8:
+    """Q5_0/Q5_1's 32 values from byte `start`: bit i of the little-endian uint32 there is element
+    i's fifth bit, the 16 bytes after it their low nibbles (elements 0-15 low, 16-31 high)."""
+    qh = np.ascontiguousarray(blocks[:, start : start + 4]).view("<u4")
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    return _nibbles(blocks[:, start + 4 :], 16) | (high << np.uint8(4))
+
+
 def _legacy(qtype: GGMLQuantizationType, blocks: U8) -> tuple[U8, Any, Any]:
-    """Q4_0/Q4_1/Q8_0 blocks (n, bytes) -> q (n, 32), scale (n, 1), bias (n, 1)."""
+    """Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks (n, bytes) -> q (n, 32), scale (n, 1), bias (n, 1)."""
     d = _half(blocks, 0)
     if qtype == Q.Q4_0:
         return _nibbles(blocks[:, 2:], 16), d, -8.0 * d
     if qtype == Q.Q4_1:
         return _nibbles(blocks[:, 4:], 16), d, _half(blocks, 2)
+    if qtype == Q.Q5_0:
+        return _five_bits(blocks, 2), d, -16.0 * d
+    if qtype == Q.Q5_1:
+        return _five_bits(blocks, 4), d, _half(blocks, 2)
     q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     return q, d, -128.0 * d
 

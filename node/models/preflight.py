@@ -8,7 +8,7 @@ nothing while a service manager sees success.
   (`node.models.builtin_fetch`); without network and file the node does not start.
 - A `.gguf` not imported yet: its header, read in a child process (numpy and gguf-py stay out of
   the node, as for the import itself): the architecture and its settings (`build_config`: bert,
-  mamba, partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q5_0, IQ*, ...
+  mamba, partial rotary, yarn ... are refused), the tensor names, and each tensor's type (Q2_K, Q3_K, IQ*, ...
   are refused), and the tokenizer's kind and pre-tokenizer name (SentencePiece vocabularies, an
   unknown `tokenizer.ggml.pre`). A file gguf-py cannot read (truncated, not a GGUF) is refused too.
   ~1-3 s (a gpt-oss vocabulary of 201,088 tokens and 446,189 merges included: `gguf_reader`).
