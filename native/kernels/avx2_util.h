@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -225,17 +226,9 @@ constexpr bool int8_format(Format format) {
   return I8 && is_grouped(format);
 }
 
-// A weight row against rows [m0, m0 + MB) of x through the row bodies.
-template <int MB, bool I8>
+// A weight row against rows [m0, m0 + MB) of x through the int16 row bodies.
+template <int MB>
 void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
-  if constexpr (I8) {
-    if (int8_format<I8>(w.format)) {
-      const auto body = w.format == Format::Mxfp4   ? int8_body<4, MB, true>
-                        : w.format == Format::Affine4 ? int8_body<4, MB, false>
-                                                      : int8_body<8, MB, false>;
-      return body(w, a, row, y, ldy, n, m0);
-    }
-  }
   switch (w.format) {
     case Format::Affine4:
       row_scales<MB>(w, a, n, m0, sx);
@@ -264,11 +257,29 @@ void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, f
 template <bool I8 = false>
 void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
   using BlockFn = void (*)(const Weights&, const Acts&, const uint8_t*, float*, float*, long, int, int);
-  constexpr BlockFn blocks[4] = {row_block<1, I8>, row_block<2, I8>, row_block<3, I8>, row_block<4, I8>};
+  constexpr BlockFn blocks[4] = {row_block<1>, row_block<2>, row_block<3>, row_block<4>};
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
   const long per_row = 4l * (w.K / 32) + 8;
   sx.resize(static_cast<size_t>(2 * per_row));
-  if (a.M == 1 && is_grouped(w.format) && !int8_format<I8>(w.format) && n0 < n1) {
+  if constexpr (I8) {
+    if (int8_format<I8>(w.format)) {  // the body chosen once: rows of x in blocks of up to 4
+      using Body = void (*)(const Weights&, const Acts&, const uint8_t*, float*, long, int, int);
+      const auto pick = [&](auto mb) -> Body {
+        constexpr int MB = decltype(mb)::value;
+        return w.format == Format::Mxfp4   ? int8_body<4, MB, true>
+               : w.format == Format::Affine4 ? int8_body<4, MB, false>
+                                             : int8_body<8, MB, false>;
+      };
+      const Body bodies[4] = {pick(std::integral_constant<int, 1>{}), pick(std::integral_constant<int, 2>{}),
+                              pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
+      for (int n = n0; n < n1; n++) {
+        const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
+        for (int m0 = 0; m0 < a.M; m0 += 4) bodies[std::min(4, a.M - m0) - 1](w, a, row, y, ldy, n, m0);
+      }
+      return;
+    }
+  }
+  if (a.M == 1 && is_grouped(w.format) && n0 < n1) {
     // Decode: the next row's prologue is written before this row's products read theirs, so those
     // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
     const auto body = w.format == Format::Affine4 ? affine_body<4, 1>
