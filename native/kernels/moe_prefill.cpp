@@ -24,9 +24,14 @@ struct Scratch {
   std::vector<Group> groups;
   std::vector<float> g, u, h, d, x;  // x: the float rows (the path without `gemm`)
   std::vector<const float*> src;
+  std::vector<Group> large, small;  // groups of more than kMaxRows rows (on `gemm`), the rest
   std::vector<GemmJob> gate_jobs, up_jobs, down_jobs;
   std::vector<PanelTask> tasks;
   GemmActs xa, ha;
+  std::vector<PreparedActs> small_x, small_h;  // per small group
+  std::vector<Acts> small_acts;
+  std::vector<Weights> small_w;
+  std::vector<RowsJob> rows_jobs;
 };
 
 // The activation on rows [r0, r1) of g and u, columns [n0, n1), into h (I wide).
@@ -48,20 +53,49 @@ void bind_jobs(const std::vector<Group>& groups, const Experts& experts, const G
     jobs.push_back({experts.at(g.e), acts.rows(g.begin, g.end), y + static_cast<long>(g.begin) * N, N});
 }
 
-// Gate, up and the activation of every group on `gemm`: one task per panel of gate's rows.
+// Gate, up and the activation of the large groups on `gemm`: one task per panel of gate's rows.
 void gate_up_on_gemm(const Kernels& k, const BoundExperts& gate, const BoundExperts& up, Activation act,
                      float alpha, float limit, int I, Scratch& s) {
-  bind_jobs(s.groups, gate.experts, s.xa, s.g.data(), I, s.gate_jobs);
-  bind_jobs(s.groups, up.experts, s.xa, s.u.data(), I, s.up_jobs);
+  bind_jobs(s.large, gate.experts, s.xa, s.g.data(), I, s.gate_jobs);
+  bind_jobs(s.large, up.experts, s.xa, s.u.data(), I, s.up_jobs);
   panel_tasks(s.gate_jobs.data(), s.gate_jobs.size(), s.tasks);
   Pool::instance().run(static_cast<int>(s.tasks.size()), [&](int t) {
     const PanelTask& p = s.tasks[t];
     const GemmJob &gj = s.gate_jobs[p.job], &uj = s.up_jobs[p.job];
     k.gemm(gj.w, gj.a, gj.y, gj.ldy, p.n0, p.n1);
     k.gemm(uj.w, uj.a, uj.y, uj.ldy, p.n0, p.n1);
-    const Group& g = s.groups[p.job];
+    const Group& g = s.large[p.job];
     activate_rows(gate, up, act, alpha, limit, g.e, g.begin, g.end, p.n0, p.n1, I, s);
   });
+}
+
+// Groups of up to kMaxRows rows on the `rows` kernel, as at decode (a panel packed for a few rows
+// costs more than reading the weights as stored): gate and up of all of them as one pool job, then
+// the activation; with `down`, their down products instead (of h) as another.
+void small_on_rows(const BoundExperts& gate, const BoundExperts& up, const BoundExperts& down, Activation act,
+                   float alpha, float limit, int D, int I, bool down_step, Scratch& s) {
+  const size_t G = s.small.size();
+  if (G == 0) return;
+  if (s.small_x.size() < G) s.small_x.resize(G), s.small_h.resize(G);
+  s.small_acts.resize(G), s.small_w.resize(2 * G);
+  s.rows_jobs.clear();
+  for (size_t i = 0; i < G; i++) {
+    const Group& g = s.small[i];
+    const int n = g.end - g.begin;
+    if (down_step) {
+      s.small_w[i] = down.experts.at(g.e);
+      s.small_acts[i] = s.small_h[i].prepare(s.small_w[i], &s.h[static_cast<size_t>(g.begin) * I], n);
+      s.rows_jobs.push_back({&s.small_w[i], &s.small_acts[i], &s.d[static_cast<size_t>(g.begin) * D]});
+      continue;
+    }
+    s.small_w[2 * i] = gate.experts.at(g.e), s.small_w[2 * i + 1] = up.experts.at(g.e);
+    s.small_acts[i] = s.small_x[i].prepare(s.small_w[2 * i], &s.x[static_cast<size_t>(g.begin) * D], n);
+    s.rows_jobs.push_back({&s.small_w[2 * i], &s.small_acts[i], &s.g[static_cast<size_t>(g.begin) * I]});
+    s.rows_jobs.push_back({&s.small_w[2 * i + 1], &s.small_acts[i], &s.u[static_cast<size_t>(g.begin) * I]});
+  }
+  run_rows(s.rows_jobs.data(), s.rows_jobs.size());
+  if (!down_step)
+    for (const Group& g : s.small) activate_rows(gate, up, act, alpha, limit, g.e, g.begin, g.end, 0, I, I, s);
 }
 
 // The same without `gemm`: each group's products by `product`, one after another.
@@ -109,13 +143,21 @@ void moe_prefill(const BoundExperts& gate, const BoundExperts& up, const BoundEx
   s.d.resize(static_cast<size_t>(rows) * D);
   const Kernels& kern = active_kernels();
   if (gemm_takes(kern, gate.experts.first) && gemm_takes(kern, down.experts.first)) {
-    s.src.resize(rows);
+    s.large.clear(), s.small.clear();
+    for (const Group& g : s.groups) (g.end - g.begin > kMaxRows ? s.large : s.small).push_back(g);
+    s.x.resize(static_cast<size_t>(rows) * D);
+    for (const Group& g : s.small)
+      for (int r = g.begin; r < g.end; r++)
+        std::memcpy(&s.x[static_cast<size_t>(r) * D], x + static_cast<long>(s.order[r] / k) * D, D * sizeof(float));
+    s.src.resize(rows);  // every row is prepared for `gemm` (a small group's rows unused: a few)
     for (int r = 0; r < rows; r++) s.src[r] = x + static_cast<long>(s.order[r] / k) * D;
     s.xa.prepare(kern, gate.experts.first, s.src.data(), rows);
+    small_on_rows(gate, up, down, act, alpha, limit, D, I, false, s);
     gate_up_on_gemm(kern, gate, up, act, alpha, limit, I, s);
     for (int r = 0; r < rows; r++) s.src[r] = &s.h[static_cast<size_t>(r) * I];
     s.ha.prepare(kern, down.experts.first, s.src.data(), rows);
-    bind_jobs(s.groups, down.experts, s.ha, s.d.data(), D, s.down_jobs);
+    small_on_rows(gate, up, down, act, alpha, limit, D, I, true, s);
+    bind_jobs(s.large, down.experts, s.ha, s.d.data(), D, s.down_jobs);
     run_gemms(kern, s.down_jobs.data(), s.down_jobs.size());
   } else {
     on_products(gate, up, down, act, alpha, limit, x, k, D, I, s);

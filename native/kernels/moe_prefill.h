@@ -5,6 +5,8 @@
 // expert's down panels, and the sum weighted by the router's scores. mlx-lm's SwitchGLU path runs
 // the same products as three gather_matmul ops, each sorting and copying x again, with the
 // activation, the weighting and the sum as MLX ops over [tokens, k, ...] arrays in between.
+// Experts with up to kMaxRows pairs (few tokens, or a batch of 9-63 decoding) take the `rows`
+// kernel as gather_product's do: two more pool jobs.
 // Without a `gemm` (AVX2, portable) each expert's products go to `product` one after another.
 #pragma once
 
