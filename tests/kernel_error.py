@@ -17,9 +17,8 @@ RELATIVE = 1e-4
 
 
 def int8_rows(bits: int) -> bool:
-    """Whether the active kernels round x to int8 for `bits`-bit weights (the rows kernel, at most
-    8 rows of x; prefill's gemm keeps int16, whose error is far inside the bound; 16-bit weights
-    take x as it is)."""
+    """Whether the active kernels round x to int8 for `bits`-bit weights (decode's rows kernel and
+    prefill's gemm alike; 16-bit weights take x as it is)."""
     module = load_kernels().module
     return module is not None and bits in (4, 8) and bool(module.int8_activations())
 

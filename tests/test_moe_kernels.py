@@ -13,7 +13,7 @@ import pytest
 
 from node.native import load_kernels
 from tests.isa_children import CAPS, capped_env, run_capped
-from tests.kernel_error import half_steps, int8_rounded, int8_rows
+from tests.moe_reference import ALPHA, LIMIT, TOLERANCE, error, reference, router_input
 
 KERNELS = load_kernels().module
 pytestmark = pytest.mark.skipif(
@@ -21,11 +21,6 @@ pytestmark = pytest.mark.skipif(
 )
 EXPERTS = 6
 TOP = 3
-ALPHA, LIMIT = 1.702, 1.5
-"""gpt_oss's clamped SwiGLU (its limit is 7; 1.5 clamps many of these gate and up values)."""
-TOLERANCE = 4e-4
-"""Of max |y|: x and the activations are rounded to int16 per group (a wrong activation: > 0.4);
-where the kernels round them to int8, the reference rounds them the same way first."""
 
 
 def _kernels() -> ModuleType:
@@ -44,57 +39,6 @@ def _projection(n: int, k: int, kind: str, bias: bool) -> tuple[Any, ...]:
     return (wq, scales.astype(mx.bfloat16), biases.astype(mx.bfloat16), b, 64, 4)
 
 
-def _dense(p: tuple[Any, ...]) -> np.ndarray:
-    wq, scales, biases, _, group, bits = p
-    if biases is None:
-        w = mx.dequantize(wq, scales, group_size=group, bits=bits, mode="mxfp4")
-    else:
-        w = mx.dequantize(
-            wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
-        )
-    return np.array(w.astype(mx.float32), dtype=np.float64)
-
-
-def _reference(
-    x: mx.array, idx: mx.array, scores: mx.array, projections: list[tuple[Any, ...]], activation: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """The MLP in float64, and how far int8 rounding of the activations h may move each output
-    where the rows kernel rounds x and h to int8 (x is rounded here as it does: exactly, as x
-    comes in; h only within float error of the kernel's, so its rounding is bounded instead)."""
-    gate, up, down = (_dense(p) for p in projections)
-    gate_bias, up_bias, down_bias = (
-        np.zeros((EXPERTS, 1)) if p[3] is None else np.array(p[3], np.float64) for p in projections
-    )
-    xs = np.array(x, dtype=np.float64)
-    group = projections[0][4]
-    rounded = int8_rows(4) and xs.shape[0] <= 8  # the rows kernel's int8 x and h (kernel_error.py)
-    seen = int8_rounded(xs, group) if rounded else xs
-    ids, ss = np.array(idx), np.array(scores, dtype=np.float64)
-    out, slack = np.zeros_like(xs), np.zeros_like(xs)
-    for t in range(xs.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            g, u = gate[e] @ seen[t], up[e] @ seen[t]
-            g, u = g + gate_bias[e], u + up_bias[e]
-            if activation == "swiglu":
-                h = g / (1 + np.exp(-g)) * u
-            else:
-                g = np.minimum(g, LIMIT)
-                h = (np.clip(u, -LIMIT, LIMIT) + 1) * g / (1 + np.exp(-ALPHA * g))
-            d = down[e] @ h + down_bias[e]
-            out[t] += ss[t, j] * d
-            if rounded:
-                slack[t] += abs(ss[t, j]) * (np.abs(down[e]) @ half_steps(h, group))
-    return out, slack
-
-
-def _error(got: mx.array, reference: tuple[np.ndarray, np.ndarray]) -> float:
-    """The largest error past the int8 slack, relative to max |y|."""
-    want, slack = reference
-    error = np.maximum(np.abs(np.array(got, dtype=np.float64) - want) - slack, 0.0)
-    return float(error.max() / np.abs(want).max())
-
-
 def _chosen(tokens: int) -> mx.array:
     """Top-3 choices with repeats across tokens and gaps: experts 1 and 4 are never chosen."""
     used = np.array([0, 2, 3, 5])
@@ -107,7 +51,7 @@ CASES = [("swiglu", "affine4", False), ("swiglu_oai", "mxfp4", True), ("swiglu_o
 
 @pytest.mark.parametrize("activation, kind, bias", CASES)
 @pytest.mark.parametrize("tokens", [1, 3, 8, 11])
-def test_moe_mlp_matches_the_plain_reference(activation: str, kind: str, bias: bool, tokens: int) -> None:
+def test_moe_mlp_matches_the_plainreference(activation: str, kind: str, bias: bool, tokens: int) -> None:
     """D = 7 groups of 64 (K not a multiple of a 64-byte step), ffn 192; 11 tokens: two blocks."""
     mx.random.seed(tokens)
     dim, ffn = 448, 192
@@ -118,8 +62,8 @@ def test_moe_mlp_matches_the_plain_reference(activation: str, kind: str, bias: b
     scores = mx.softmax(mx.random.normal((tokens, TOP)), axis=-1)
     got = _kernels().moe_mlp(x, idx, scores, *projections, activation=activation, alpha=ALPHA, limit=LIMIT)
     assert got.dtype == mx.float32 and got.shape == x.shape
-    error = _error(got, _reference(x, idx, scores, projections, activation))
-    assert error < TOLERANCE, error
+    off = error(got, reference(x, idx, scores, projections, activation))
+    assert off < TOLERANCE, off
     # Batch axes are the tokens': [B, L, D] gives the same rows.
     again = _kernels().moe_mlp(
         x.reshape(1, tokens, dim),
@@ -149,7 +93,7 @@ def _routing(logits: np.ndarray, routing: str, norm: bool) -> tuple[np.ndarray, 
     "routing, norm", [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False)]
 )
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_match_moe_routed_routes_as_the_reference(routing: str, norm: bool, tokens: int) -> None:
+def test_match_moe_routed_routes_as_thereference(routing: str, norm: bool, tokens: int) -> None:
     """The router inside the operation (8-bit g64 weights; gpt_oss's with a bias) against float64
     routing of the dequantized router, then the same expert MLP."""
     mx.random.seed(10 + tokens)
@@ -162,9 +106,7 @@ def test_match_moe_routed_routes_as_the_reference(routing: str, norm: bool, toke
     router = (wq, scales, biases, bias, 64, 8)
     x = mx.random.normal((tokens, dim))
     dense = np.array(mx.dequantize(wq, scales, biases, group_size=64, bits=8), dtype=np.float64)
-    logits = np.array(x, dtype=np.float64) @ dense.T + (
-        0 if bias is None else np.array(bias, dtype=np.float64)
-    )
+    logits = router_input(x, 64) @ dense.T + (0 if bias is None else np.array(bias, dtype=np.float64))
     idx, scores = _routing(logits, routing, norm)
     got = _kernels().moe_routed(
         x,
@@ -178,8 +120,8 @@ def test_match_moe_routed_routes_as_the_reference(routing: str, norm: bool, toke
         limit=LIMIT,
     )
     assert got.shape == x.shape
-    error = _error(got, _reference(x, mx.array(idx), mx.array(scores.astype(np.float32)), projections, act))
-    assert error < TOLERANCE, error
+    off = error(got, reference(x, mx.array(idx), mx.array(scores.astype(np.float32)), projections, act))
+    assert off < TOLERANCE, off
 
 
 def test_match_a_token_choosing_one_expert_twice_and_an_index_outside_adds_nothing() -> None:
@@ -193,7 +135,7 @@ def test_match_a_token_choosing_one_expert_twice_and_an_index_outside_adds_nothi
     kept = np.array([[2, 2, 5], [0, 0, 3]])
     zeroed = np.array([[0.5, 0.25, 0.25], [0.2, 0.0, 0.5]])
     assert (
-        _error(mx.array(got), _reference(x, mx.array(kept), mx.array(zeroed), projections, "swiglu"))
+        error(mx.array(got), reference(x, mx.array(kept), mx.array(zeroed), projections, "swiglu"))
         < TOLERANCE
     )
 

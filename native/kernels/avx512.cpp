@@ -191,8 +191,8 @@ const Kernels* SHOAL_AVX512_KERNELS(bool int8) {
   if (!avx2) return nullptr;
   static const Kernels wide{SHOAL_AVX512_NAME,    vector_rows<false>, avx2->dequant, vector_prepare<kStep>,
                             avx512_gemm_kernel(), natural_prepare};
-  static const Kernels bytes{SHOAL_AVX512_NAME,    vector_rows<true>, avx2->dequant, int8_prepare,
-                             avx512_gemm_kernel(), natural_prepare,   true};
+  static const Kernels bytes{SHOAL_AVX512_NAME,     vector_rows<true>,      avx2->dequant, int8_prepare,
+                             avx512_gemm8_kernel(), avx512_gemm8_prepare(), true};
   return int8 ? &bytes : &wide;
 }
 
