@@ -16,13 +16,19 @@ NARROWER = {
     "portable": (),
 }
 """The instruction sets below each one: the CPU has them too, and SHOAL_KERNEL_ISA selects them."""
-CAPS = ("avx512", "avx2", "portable")
-"""What a test is parametrized over (each skipped where the CPU's widest kernels are that set)."""
+CAPS = ("avx512", "avx2", "portable", "int8")
+"""What a test is parametrized over (each skipped where the CPU's widest kernels are that set);
+"int8": the widest kernels with int8 activations (SHOAL_KERNEL_ACTS=int8, AVX-512 VNNI only)."""
 
 
 def capped_env(active: str, isa: str) -> dict[str, str]:
-    """The environment of a child whose kernels are capped at `isa`; skips the test when `isa` is
-    not below `active` (the widest set, which the test process itself ran)."""
+    """The environment of a child whose kernels are capped at `isa` (or, for "int8", round their
+    activations to int8); skips the test when `isa` is not below `active` (the widest set, which
+    the test process itself ran) or, for "int8", when `active` has no int8 bodies."""
+    if isa == "int8":
+        if not active.startswith("avx512"):
+            pytest.skip(f"the CPU's widest kernels are {active}: no int8 activations")
+        return {**os.environ, "SHOAL_KERNEL_ACTS": "int8"}
     if isa not in NARROWER.get(active, ()):
         pytest.skip(f"the CPU's widest kernels are {active}: this process tested them")
     return {**os.environ, "SHOAL_KERNEL_ISA": isa}

@@ -50,16 +50,10 @@ pytestmark = pytest.mark.skipif(
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-EXACT = {"SHOAL_KERNEL_ACTS": "int16"}
-"""The kernels with int16 activations, whose greedy text is float32's token for token; the int8
-ones (the default where the CPU has VNNI) agree to ~0.3% of the logits' range, which a random
-model's near-ties can tip (tests/decode_agreement.py checks them step by step)."""
-
-
 @contextmanager
 def _serving(model: Path, data_dir: Path, *args: str) -> Iterator[RunningNode]:
     """One node serving `model` on loopback; stopped however the block ends."""
-    node = start_node(*args, data_dir=data_dir, model=str(model), ready_timeout=READY_TIMEOUT, env=EXACT)
+    node = start_node(*args, data_dir=data_dir, model=str(model), ready_timeout=READY_TIMEOUT)
     try:
         yield node
     finally:

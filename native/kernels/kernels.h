@@ -39,12 +39,13 @@ struct Weights {
 // Activations as the small-batch affine kernels read them: x quantized to int16 per weight group
 // (the int16 x 4/8-bit products run on integer multiply-adds at twice the rate of float FMAs,
 // and an int16 grid keeps the relative error near 1e-5, far below the weights' own).
-// Kernels with int8 bodies (AVX-512 VNNI, avx512_int8.h) take quantized weights' activations as
-// int8 instead, as llama.cpp does (its Q8 activations): a byte product does twice the
-// multiply-adds of an int16 one per instruction, on half the unpacking, and the rows kernel is
-// bound by those instructions, not by memory. Each x then moves by at most half its group's step,
-// amax / 254: an error like a second, far finer quantization of the weights, so it is checked
-// against that bound (tests/kernel_error.py), not against the float32 product's last bits. Their
+// Kernels with int8 bodies (AVX-512 VNNI, avx512_int8.h; chosen by SHOAL_KERNEL_ACTS=int8) take
+// quantized weights' activations as int8 instead, as llama.cpp does (its Q8 activations): a byte
+// product does twice the multiply-adds of an int16 one per instruction, on half the unpacking, and
+// the rows kernel is bound by those instructions, not by memory. Each x then moves by at most half
+// its group's step, amax / 254 (checked against that bound: tests/kernel_error.py): with the
+// outliers of real activations, ~0.5-2% of a product's largest output (SmolLM2-135M), enough to
+// turn its near-ties, so int16 stays the default. Their
 // order: 8-bit weights', x's own; 4-bit weights', a span of S chunks (as affine_position's: 4
 // chunks, then 2, then 1) is its 16S evens, then its 16S odds (a weight byte's low and high
 // nibbles); for MXFP4, the int32 after the K bytes are, per 8 values of a chunk in a product's

@@ -175,6 +175,16 @@ def _to_float32(model: nn.Module, quantized: list[tuple[str, Any]]) -> None:
     model.set_dtype(mx.float32)  # anything held outside a module's own attributes (no-op otherwise)
 
 
+def rounds_to_int8() -> bool:
+    """Whether this process's quantized products round activations to int8 (native/kernels/kernels.h,
+    Acts): a prefill chunk and a decode step then differ by more than their float sums' last bits
+    (a rounding can tip), enough to turn a near-tie, so a failover replays step by step (`Admitted`)."""
+    if not kernels_enabled():
+        return False
+    module = load_kernels().module
+    return module is not None and bool(module.int8_activations())
+
+
 def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False when the user turned the fast path off: `--no-fast-path` puts SHOAL_KERNELS=0 in the
     runner's environment (`node.cpu.fastpath.decide`); SHOAL_FAST_PATH=0 does the same."""

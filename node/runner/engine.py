@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from node.cpu.dtype import apply_dtype_policy
+from node.cpu.dtype import apply_dtype_policy, rounds_to_int8
 from node.pipeline.shard import LogitsProcessor, Sampler, forcing, logits_processors, request_sampler
 from node.runner.formats import HARMONY_MODEL_TYPES, ChatFormat, PromptError, chat_format_for
 from node.runner.generation_config import read_sampling_defaults
@@ -63,6 +63,9 @@ class LoadedModel:
     vocab_size: int | None = None
     """Rows of the model's embedding (config.json's `vocab_size`): a prompt id at or past it would
     read outside the embedding (garbage, silently), so `admit` refuses it. None: not stated."""
+    stepwise_replay: bool = False
+    """Whether a resumed request's tokens are decoded again step by step (`Admitted.forced`) even
+    when greedy: its products round activations to int8 (`rounds_to_int8`)."""
 
 
 def load_model(path: Path, *, vocab_dir: Path | None) -> LoadedModel:
@@ -87,7 +90,14 @@ def loaded_model(
     if given := sampling.given():
         log.info("sampling defaults from %s: %s", folder.name, sampling.model_dump(include=set(given)))
     return LoadedModel(
-        model, tokenizer, chat_format, model_type, int(context), sampling, vocab_size=_vocab_size(config)
+        model,
+        tokenizer,
+        chat_format,
+        model_type,
+        int(context),
+        sampling,
+        vocab_size=_vocab_size(config),
+        stepwise_replay=rounds_to_int8(),
     )
 
 
@@ -132,10 +142,11 @@ class Admitted:
     Most go on from a prefill of the prompt and those tokens (`context`), which `RequestOutput.replay`
     feeds to the output at once; greedy tokens then come out as they would have (a chunk's float sums
     may differ from one step's in the last bits, as in a batch: only an exact near-tie could change a
-    token). A seeded request's draws amplify those bits, so it is `forced` instead: its prompt is
-    prefilled as before and those tokens are decoded again, one step each, from a sampler that draws
-    and returns them (`node.pipeline.shard.forcing`): the same arithmetic, the same key, the same
-    tokens after, at the cost of one decode step per token.
+    token). A seeded request's draws amplify those bits, and int8 activations (`stepwise`) can turn
+    them into a rounding step, so such a request is `forced` instead: its prompt is prefilled as
+    before and those tokens are decoded again, one step each, from a sampler that draws and returns
+    them (`node.pipeline.shard.forcing`): the same arithmetic, the same key, the same tokens after,
+    at the cost of one decode step per token.
     """
 
     request: GenerateRequest
@@ -143,6 +154,8 @@ class Admitted:
     max_tokens: int
     sampling: Sampling
     """The request's fields over the model's defaults over the server's (`resolve_sampling`)."""
+    stepwise: bool = False
+    """The model's `stepwise_replay`."""
 
     @property
     def replayed(self) -> tuple[int, ...]:
@@ -150,7 +163,8 @@ class Admitted:
 
     @property
     def forced(self) -> bool:
-        return bool(self.replayed) and self.sampling.temperature > 0 and self.sampling.seed is not None
+        seeded = self.sampling.temperature > 0 and self.sampling.seed is not None
+        return bool(self.replayed) and (self.stepwise or seeded)
 
     @property
     def context(self) -> list[int]:
@@ -195,7 +209,8 @@ def admit(loaded: LoadedModel, request: GenerateRequest) -> Admitted | TerminalE
             f"context of {loaded.context_length} tokens"
         )
     sampling = resolve_sampling(request.params, loaded.sampling)
-    return Admitted(request, list(prompt), max_tokens if max_tokens is not None else room, sampling)
+    budget = max_tokens if max_tokens is not None else room
+    return Admitted(request, list(prompt), budget, sampling, stepwise=loaded.stepwise_replay)
 
 
 class RequestOutput:
