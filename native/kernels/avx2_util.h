@@ -112,27 +112,38 @@ inline __m256i chunk_product(const uint8_t* bytes, const int16_t* xq) {
   }
 }
 
+// A 4-bit pair of chunks' 32 bytes as 16 lanes of 4 nibbles (nibble j of every lane in q[j]).
+template <bool FP4>
+inline void pair_values(__m256i v, __m256i* q) {
+  const __m256i mask = _mm256_set1_epi16(0x0f);
+  q[0] = _mm256_and_si256(v, mask), q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask), q[3] = _mm256_srli_epi16(v, 12);
+  if constexpr (FP4) fp4_nibbles(v, q);
+}
+
+// The int32 sums of a 4-bit pair's values q against one row of int16 x from the pair's first
+// value: lanes 0-3 chunk c, 4-7 chunk c + 1.
+inline __m256i pair_sums(const __m256i* q, const int16_t* xq) {
+  const __m256i* x = reinterpret_cast<const __m256i*>(xq);
+  const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(x)),
+                                      _mm256_madd_epi16(q[1], _mm256_loadu_si256(x + 1)));
+  const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(q[2], _mm256_loadu_si256(x + 2)),
+                                      _mm256_madd_epi16(q[3], _mm256_loadu_si256(x + 3)));
+  return _mm256_add_epi32(p0, p1);
+}
+
 // Chunks c and c + 1 of one weight row against MB rows of xq (row stride K), added to `into`.
 template <int BITS, int MB, bool FP4 = false>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
                                                      int chunks, int c, __m256* into) {
   constexpr int chunk_bytes = 32 * BITS / 8;
-  if constexpr (BITS == 4) {  // both chunks' 32 bytes as 16 lanes of 4 nibbles
-    const __m256i mask = _mm256_set1_epi16(0x0f);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes));
-    __m256i q[4] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
-                    _mm256_and_si256(_mm256_srli_epi16(v, 8), mask), _mm256_srli_epi16(v, 12)};
-    if constexpr (FP4) fp4_nibbles(v, q);
-    const __m256i q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
+  if constexpr (BITS == 4) {
+    __m256i q[4];
+    pair_values<FP4>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * chunk_bytes)), q);
     for (int m = 0; m < MB; m++) {
-      const __m256i* x = reinterpret_cast<const __m256i*>(xq + static_cast<long>(m) * K + c * 32);
       const float* sx = sxc + m * chunks + c;
-      __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256(x)),
-                                    _mm256_madd_epi16(q1, _mm256_loadu_si256(x + 1)));
-      __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256(x + 2)),
-                                    _mm256_madd_epi16(q3, _mm256_loadu_si256(x + 3)));
-      __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));  // lanes 0-3 chunk c, 4-7 chunk c + 1
-      __m256 scale = _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx));
+      const __m256 f = _mm256_cvtepi32_ps(pair_sums(q, xq + static_cast<long>(m) * K + c * 32));
+      const __m256 scale = _mm256_set_m128(_mm_broadcast_ss(sx + 1), _mm_broadcast_ss(sx));
       into[m] = _mm256_fmadd_ps(f, scale, into[m]);
     }
   } else {  // each chunk's 32 bytes as 16 lanes of 2 bytes
@@ -214,64 +225,50 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
                  int m0);
 template <bool BF, int MB>
 void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0);
-// The int8-activation body of a quantized row (BITS 4 or 8; FP4: MXFP4), for kernels whose
-// `prepare` writes int8 activations (int8_prepare), its scales in registers (no prologue):
-// avx512_int8.h.
-template <int BITS, int MB, bool FP4>
-void int8_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0);
+// How an ISA's rows kernel takes a quantized row: after a prologue of its scales (AVX2), or with
+// its scales in registers (AVX-512: register_body) on int16 or int8 activations (Acts).
+enum class Body { Prologue, Int16, Int8 };
 
-// Whether a row of this format goes to int8_body (I8: the kernels' activations are int8).
-template <bool I8>
-constexpr bool int8_format(Format format) {
-  return I8 && is_grouped(format);
-}
+// The AVX-512 body of a quantized row (BITS 4 or 8; FP4: MXFP4; I8: int8 activations): avx512.cpp.
+template <int BITS, int MB, bool FP4, bool I8>
+void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0);
 
-// A weight row against rows [m0, m0 + MB) of x through the int16 row bodies.
-template <int MB>
+// A weight row against rows [m0, m0 + MB) of x through the row bodies (quantized ones: Prologue only).
+template <int MB, Body B>
 void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
-  switch (w.format) {
-    case Format::Affine4:
-      row_scales<MB>(w, a, n, m0, sx);
-      affine_body<4, MB>(w, a, row, sx, y, ldy, n, m0);
-      break;
-    case Format::Affine8:
-      row_scales<MB>(w, a, n, m0, sx);
-      affine_body<8, MB>(w, a, row, sx, y, ldy, n, m0);
-      break;
-    case Format::Mxfp4:
-      row_scales<MB>(w, a, n, m0, sx);
-      affine_body<4, MB, true>(w, a, row, sx, y, ldy, n, m0);
-      break;
-    case Format::F16:
-      half_row<false, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
-      break;
-    case Format::BF16:
-      half_row<true, MB>(w, a, reinterpret_cast<const uint16_t*>(row), y, ldy, n, m0);
-      break;
+  const auto* half = reinterpret_cast<const uint16_t*>(row);
+  if (w.format == Format::F16) return half_row<false, MB>(w, a, half, y, ldy, n, m0);
+  if (w.format == Format::BF16) return half_row<true, MB>(w, a, half, y, ldy, n, m0);
+  if constexpr (B == Body::Prologue) {
+    row_scales<MB>(w, a, n, m0, sx);
+    const auto body = w.format == Format::Affine4 ? affine_body<4, MB>
+                      : w.format == Format::Mxfp4 ? affine_body<4, MB, true>
+                                                  : affine_body<8, MB>;
+    body(w, a, row, sx, y, ldy, n, m0);
   }
 }
 
-// The `rows` kernel of an ISA (through its row bodies; I8: int8_body for quantized ones). Rows of x
-// go in blocks of at most 4 per pass over a weight row (more would spill registers; the row is
-// still in L1 for the second pass).
-template <bool I8 = false>
+// The `rows` kernel of an ISA (through its row bodies). Rows of x go in blocks of at most 4 per
+// pass over a weight row (more would spill registers; the row is still in L1 for the second pass).
+template <Body B = Body::Prologue>
 void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, int n1) {
   using BlockFn = void (*)(const Weights&, const Acts&, const uint8_t*, float*, float*, long, int, int);
-  constexpr BlockFn blocks[4] = {row_block<1>, row_block<2>, row_block<3>, row_block<4>};
+  constexpr BlockFn blocks[4] = {row_block<1, B>, row_block<2, B>, row_block<3, B>, row_block<4, B>};
   thread_local std::vector<float> sx;  // scale x activation scale of each chunk, for 4 rows of x
   const long per_row = 4l * (w.K / 32) + 8;
   sx.resize(static_cast<size_t>(2 * per_row));
-  if constexpr (I8) {
-    if (int8_format<I8>(w.format)) {  // the body chosen once: rows of x in blocks of up to 4
-      using Body = void (*)(const Weights&, const Acts&, const uint8_t*, float*, long, int, int);
-      const auto pick = [&](auto mb) -> Body {
+  if constexpr (B != Body::Prologue) {
+    if (is_grouped(w.format)) {  // the body chosen once: rows of x in blocks of up to 4
+      using RowFn = void (*)(const Weights&, const Acts&, const uint8_t*, float*, long, int, int);
+      constexpr bool I8 = B == Body::Int8;
+      const auto pick = [&](auto mb) -> RowFn {
         constexpr int MB = decltype(mb)::value;
-        return w.format == Format::Mxfp4   ? int8_body<4, MB, true>
-               : w.format == Format::Affine4 ? int8_body<4, MB, false>
-                                             : int8_body<8, MB, false>;
+        return w.format == Format::Mxfp4   ? register_body<4, MB, true, I8>
+               : w.format == Format::Affine4 ? register_body<4, MB, false, I8>
+                                             : register_body<8, MB, false, I8>;
       };
-      const Body bodies[4] = {pick(std::integral_constant<int, 1>{}), pick(std::integral_constant<int, 2>{}),
-                              pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
+      const RowFn bodies[4] = {pick(std::integral_constant<int, 1>{}), pick(std::integral_constant<int, 2>{}),
+                               pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
       for (int n = n0; n < n1; n++) {
         const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
         for (int m0 = 0; m0 < a.M; m0 += 4) bodies[std::min(4, a.M - m0) - 1](w, a, row, y, ldy, n, m0);
@@ -279,18 +276,20 @@ void vector_rows(const Weights& w, const Acts& a, float* y, long ldy, int n0, in
       return;
     }
   }
-  if (a.M == 1 && is_grouped(w.format) && n0 < n1) {
-    // Decode: the next row's prologue is written before this row's products read theirs, so those
-    // reads never wait on the stores just made (their forwarding stalled the loads of a short row).
-    const auto body = w.format == Format::Affine4 ? affine_body<4, 1>
-                      : w.format == Format::Mxfp4 ? affine_body<4, 1, true>
-                                                  : affine_body<8, 1>;
-    row_scales<1>(w, a, n0, 0, sx.data());
-    for (int n = n0; n < n1; n++) {
-      if (n + 1 < n1) row_scales<1>(w, a, n + 1, 0, sx.data() + ((n + 1 - n0) & 1) * per_row);
-      body(w, a, w.data + static_cast<long>(n) * w.row_bytes, sx.data() + ((n - n0) & 1) * per_row, y, ldy, n, 0);
+  if constexpr (B == Body::Prologue) {
+    if (a.M == 1 && is_grouped(w.format) && n0 < n1) {
+      // Decode: the next row's prologue is written before this row's products read theirs, so
+      // those reads never wait on the stores just made (their forwarding stalled a short row's loads).
+      const auto body = w.format == Format::Affine4 ? affine_body<4, 1>
+                        : w.format == Format::Mxfp4 ? affine_body<4, 1, true>
+                                                    : affine_body<8, 1>;
+      row_scales<1>(w, a, n0, 0, sx.data());
+      for (int n = n0; n < n1; n++) {
+        if (n + 1 < n1) row_scales<1>(w, a, n + 1, 0, sx.data() + ((n + 1 - n0) & 1) * per_row);
+        body(w, a, w.data + static_cast<long>(n) * w.row_bytes, sx.data() + ((n - n0) & 1) * per_row, y, ldy, n, 0);
+      }
+      return;
     }
-    return;
   }
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;

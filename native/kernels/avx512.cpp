@@ -4,9 +4,10 @@
 // avx2.cpp's scheme at twice the width: a step reads one 64-byte line of a weight row (4-bit: 4
 // chunks of 32 weights; 8-bit: 2) as 32 lanes of 16 bits, takes its values apart with shifts and
 // masks, and multiplies them with the int16 activations by `vpdpwssd`, which multiplies, adds
-// pairs and accumulates in one instruction (32 products). A row's tail (fewer chunks than a step),
-// its prologue and the rows loop are avx2.cpp's (avx2_util.h); so is the dequantization of
-// 16-bit weights for sgemm in prefill (quantized ones go to gemm_avx512.cpp). As there, each
+// pairs and accumulates in one instruction (32 products); with int8 activations, by `vpdpbusd`
+// (avx512_int8.h). The scales come with no per-row prologue (register_body). A row's tail (fewer
+// chunks than a step) and the rows loop are avx2.cpp's (avx2_util.h); so is the dequantization
+// of 16-bit weights for sgemm in prefill (quantized ones go to gemm_avx512.cpp). As there, each
 // output element is computed the same way whatever the number of rows, so a sequence gives the
 // same bits alone or in a batch.
 //
@@ -59,101 +60,143 @@ inline void fp4_nibbles(__m512i v, __m512i* q) {
   q[2] = _mm512_srai_epi16(lo, 8), q[3] = _mm512_srai_epi16(hi, 8);
 }
 
-// Scales of the chunks of one step as the lanes of its int32 sums: 4-bit, chunk c + i in lanes
-// 4i .. 4i + 3; 8-bit, chunk c + i in lanes 8i .. 8i + 7.
-template <int BITS>
-inline __m512 step_scales(const float* sx) {
+// The int32 sums of one 64-byte step of a weight row (4-bit: 4 chunks, lanes 4i .. 4i + 3 chunk
+// i; 8-bit: 2 chunks, lanes 8i .. 8i + 7) against one row of int16 x from the step's first value.
+// 4-bit: 32 lanes of 4 nibbles, nibble j of every lane against block j of x, the four products in
+// one chain (exact integer sums, so in any order; two chains and an add cost a uop more: a 1B
+// shape's products at M = 4 took 0.85-0.93x the time with one chain, at M = 1 0.95-1.0x).
+template <int BITS, bool FP4>
+__attribute__((always_inline)) inline __m512i int16_sums(const __m512i* q, const int16_t* x) {
+  const __m512i zero = _mm512_setzero_si512();
   if constexpr (BITS == 4) {
-    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(sx)));
-  } else {
-    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sx)));
-    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(two));
+    __m512i p = _mm512_dpwssd_epi32(zero, q[0], load512(x));
+    p = _mm512_dpwssd_epi32(p, q[1], load512(x + 32));
+    p = _mm512_dpwssd_epi32(p, q[2], load512(x + 64));
+    return _mm512_dpwssd_epi32(p, q[3], load512(x + 96));
+  } else {  // 32 lanes of 2 bytes: the evens against the first 32 of x, the odds against the rest
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, q[0], load512(x)), q[1], load512(x + 32));
   }
 }
 
-// The step from chunk c of one weight row against MB rows of xq (row stride K), added to `into`.
-template <int BITS, int MB, bool FP4>
-__attribute__((always_inline)) inline void step_into(const uint8_t* row, const int16_t* xq, int K, const float* sxc,
-                                                     int chunks, int c, __m512* into) {
-  const __m512i v = load512(row + c * BITS * 4), zero = _mm512_setzero_si512();
-  // 4-bit: 32 lanes of 4 nibbles, nibble j of every lane against block j of x, the four products
-  // in one chain (exact integer sums, so in any order; two chains and an add cost a uop more: a
-  // 1B shape's products at M = 4 took 0.85-0.93x the time with one chain, at M = 1 0.95-1.0x).
+// The values of a step's 64 bytes as int16_sums takes them (4-bit: nibble j of every 16-bit lane
+// in q[j]; 8-bit: the even and odd bytes).
+template <int BITS, bool FP4>
+__attribute__((always_inline)) inline void int16_values(__m512i v, __m512i* q) {
   if constexpr (BITS == 4) {
     const __m512i mask = _mm512_set1_epi16(0x0f);
-    __m512i q[4];
     if constexpr (FP4) {
       fp4_nibbles(v, q);
     } else {
       q[0] = _mm512_and_si512(v, mask), q[1] = nibble<1>(v, mask), q[2] = nibble<2>(v, mask), q[3] = nibble<3>(v, mask);
     }
-    const __m512i q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
-    for (int m = 0; m < MB; m++) {
-      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
-      __m512i p = _mm512_dpwssd_epi32(zero, q0, load512(x));
-      p = _mm512_dpwssd_epi32(p, q1, load512(x + 32));
-      p = _mm512_dpwssd_epi32(p, q2, load512(x + 64));
-      p = _mm512_dpwssd_epi32(p, q3, load512(x + 96));
-      const __m512 f = _mm512_cvtepi32_ps(p);
-      into[m] = _mm512_fmadd_ps(f, step_scales<4>(sxc + m * chunks + c), into[m]);
-    }
-  } else {  // 32 lanes of 2 bytes: the evens against the first 32 of x, the odds against the rest
-    const __m512i even = _mm512_and_si512(v, _mm512_set1_epi16(0xff)), odd = _mm512_srli_epi16(v, 8);
-    for (int m = 0; m < MB; m++) {
-      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
-      const __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, even, load512(x)), odd, load512(x + 32));
-      into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), step_scales<8>(sxc + m * chunks + c), into[m]);
-    }
+  } else {
+    q[0] = _mm512_and_si512(v, _mm512_set1_epi16(0xff)), q[1] = _mm512_srli_epi16(v, 8);
   }
 }
 
-// One weight row (affine, BITS 4 or 8) against rows [m0, m0 + MB) of the activations, its
-// prologue (row_scales) in sxc. Steps alternate between two accumulators per row of x, so no FMA
-// waits on its predecessor; the tail goes to a third, in avx2.cpp's 32-byte form.
-template <int BITS, int MB, bool FP4>
-void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy,
-                 int n, int m0) {
+// One weight row (BITS 4 or 8; FP4: MXFP4) against rows [m0, m0 + MB) of the activations, int8
+// (I8, avx512_int8.h) or int16 (Acts). Steps alternate between two accumulators per row of x, so
+// no FMA waits on its predecessor. The scales need no prologue: a run of 16 groups at a time has
+// its scales x activation scales in one register per row of x (a step's lanes pick theirs with one
+// permute) and adds its biases x activation sums into the sums at once, so nothing is stored and
+// read back per row (the per-row prologue took ~1/5 of a 4-bit product at one row).
+template <int BITS, int MB, bool FP4, bool I8>
+void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0) {
   constexpr int per_step = kStep * 8 / (32 * BITS);  // chunks
-  const int K = w.K, chunks = K / 32, steps = chunks / per_step, row_bytes = chunks * BITS * 4;
-  const float* bias_sum = sxc + MB * chunks;
-  __m512 acc0[MB], acc1[MB];
+  const int K = w.K, chunks = K / 32, groups = a.groups, per_group = w.group_size / 32;
+  const int32_t(*lanes)[16] = kStepGroups.at[BITS == 8][per_group == 1 ? 0 : per_group == 2 ? 1 : 2];
+  const long first = static_cast<long>(n) * groups;  // the row's first scale
+  const int row_bytes = chunks * BITS * 4, steps = chunks / per_step;
+  const float z = symmetric_bias(w, 1.0f);
+  __m512 acc0[MB], acc1[MB], scales[MB];
   __m256 tail[MB];
   for (int m = 0; m < MB; m++) {
     acc0[m] = acc1[m] = _mm512_setzero_ps();
     tail[m] = _mm256_setzero_ps();
   }
-  const int16_t* xq = a.xq + static_cast<long>(m0) * K;
-  int s = 0;
-  for (; s + 2 <= steps; s += 2) {
-    const uint8_t* at = row + s * kStep;
-    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at + kStep + kPrefetchBytes), _MM_HINT_T0);
-    step_into<BITS, MB, FP4>(row, xq, K, sxc, chunks, s * per_step, acc0);
-    step_into<BITS, MB, FP4>(row, xq, K, sxc, chunks, (s + 1) * per_step, acc1);
-  }
-  // The lines the steps above did not reach, up to the row's last byte (as avx2.cpp).
-  for (int off = s * kStep; off < row_bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row + off + kPrefetchBytes), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
-  if (s < steps) step_into<BITS, MB, FP4>(row, xq, K, sxc, chunks, s++ * per_step, acc0);
-  int c = steps * per_step;
-  if constexpr (BITS == 4) {
-    if (c + 2 <= chunks) {
-      pair_into<4, MB, FP4>(row, xq, K, sxc, chunks, c, tail);
-      c += 2;
+  const int16_t* xq = a.xq + static_cast<long>(m0) * K;  // row m's place: xq + m * K
+  const auto step = [&](int c, __m512i at, __m512* into) {
+    const __m512i v = load512(row + c * BITS * 4);
+    __m512i q[4];
+    if constexpr (!I8) int16_values<BITS, FP4>(v, q);
+    for (int m = 0; m < MB; m++) {
+      const int16_t* xm = xq + static_cast<long>(m) * K;
+      __m512i p;
+      if constexpr (I8) {
+        p = int8_span<BITS, FP4>(v, reinterpret_cast<const int8_t*>(xm), K, c);
+      } else {
+        p = int16_sums<BITS, FP4>(q, xm + c * 32);
+      }
+      into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, scales[m]), into[m]);
+    }
+  };
+  auto prefetch = [&](int c) { _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes), _MM_HINT_T0); };
+  int s = 0;  // steps done
+  for (int g0 = 0; g0 < groups; g0 += 16) {
+    const int count = std::min(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 scale = scales16(w.scales, w.scale_type, first + g0, mask);
+    const __m512 bias = w.biases ? scales16(w.biases, w.scale_type, first + g0, mask) : _mm512_mul_ps(scale, _mm512_set1_ps(z));
+    for (int m = 0; m < MB; m++) {
+      const long r = static_cast<long>(m0 + m) * groups + g0;
+      scales[m] = _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(mask, a.xscale + r));
+      acc1[m] = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(mask, a.xsum + r), acc1[m]);
+    }
+    // This run's whole steps (runs are whole steps: 16 groups of 1, 2 or 4 chunks), two at a time.
+    const int run_first = s, end = std::min(steps, (g0 + 16) * per_group / per_step);
+    for (; s + 2 <= end; s += 2) {
+      prefetch(s * per_step), prefetch((s + 1) * per_step);
+      step(s * per_step, _mm512_load_si512(lanes[s - run_first]), acc0);
+      step((s + 1) * per_step, _mm512_load_si512(lanes[s + 1 - run_first]), acc1);
+    }
+    if (s < end) {
+      prefetch(s * per_step);
+      step(s * per_step, _mm512_load_si512(lanes[s - run_first]), acc0);
+      s++;
     }
   }
-  if (c < chunks) {
-    for (int m = 0; m < MB; m++) {
-      const int16_t* x = xq + static_cast<long>(m) * K + c * 32;
-      __m256 f = _mm256_cvtepi32_ps(chunk_product<BITS, FP4>(row + c * BITS * 4, x));
-      tail[m] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sxc + m * chunks + c), tail[m]);
+  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
+  int c = steps * per_step;
+  if (c < chunks) {  // the row's last chunks (fewer than a step), scaled from the last run's registers
+    alignas(64) float last[MB][16];
+    for (int m = 0; m < MB; m++) _mm512_store_ps(last[m], scales[m]);
+    const int base = (groups - 1) / 16 * 16 * per_group;  // the last run's first chunk
+    const auto scale_of = [&](int m, int chunk) { return _mm_set1_ps(last[m][(chunk - base) / per_group]); };
+    if (BITS == 4 && c + 2 <= chunks) {  // a span of 2: lanes 0-3 chunk c, 4-7 chunk c + 1
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
+      for (int m = 0; m < MB; m++) {
+        const int16_t* xm = xq + static_cast<long>(m) * K;
+        __m256i p;
+        if constexpr (I8) {
+          p = int8_span<BITS, FP4>(v, reinterpret_cast<const int8_t*>(xm), K, c);
+        } else {
+          __m256i q[4];
+          pair_values<FP4>(v, q);
+          p = pair_sums(q, xm + c * 32);
+        }
+        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c + 1), scale_of(m, c)), tail[m]);
+      }
+      c += 2;
+    }
+    if (c < chunks) {  // a lone chunk: 8-bit, 8 lanes; 4-bit, 4 (the high half zero)
+      for (int m = 0; m < MB; m++) {
+        const int16_t* xm = xq + static_cast<long>(m) * K;
+        __m256i p;
+        if constexpr (I8) {
+          p = BITS == 8 ? int8_span<BITS, FP4>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32)),
+                                               reinterpret_cast<const int8_t*>(xm), K, c)
+                        : _mm256_zextsi128_si256(int8_span<BITS, FP4>(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)),
+                              reinterpret_cast<const int8_t*>(xm), K, c));
+        } else {
+          p = chunk_product<BITS, FP4>(row + c * BITS * 4, xm + c * 32);
+        }
+        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c), scale_of(m, c)), tail[m]);
+      }
     }
   }
   for (int m = 0; m < MB; m++)
-    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]) + bias_sum[m];
+    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]);
 }
 
 // One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly), 32 a step.
@@ -189,10 +232,10 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
 const Kernels* SHOAL_AVX512_KERNELS(bool int8) {
   const Kernels* avx2 = avx2_kernels();
   if (!avx2) return nullptr;
-  static const Kernels wide{SHOAL_AVX512_NAME,    vector_rows<false>, avx2->dequant, vector_prepare<kStep>,
+  static const Kernels wide{SHOAL_AVX512_NAME,    vector_rows<Body::Int16>, avx2->dequant, vector_prepare<kStep>,
                             avx512_gemm_kernel(), natural_prepare};
-  static const Kernels bytes{SHOAL_AVX512_NAME,     vector_rows<true>,      avx2->dequant, int8_prepare,
-                             avx512_gemm8_kernel(), avx512_gemm8_prepare(), true};
+  static const Kernels bytes{SHOAL_AVX512_NAME,     vector_rows<Body::Int8>, avx2->dequant, int8_prepare,
+                             avx512_gemm8_kernel(), avx512_gemm8_prepare(),   true};
   return int8 ? &bytes : &wide;
 }
 

@@ -1,15 +1,11 @@
-// The AVX-512 VNNI rows body on int8 activations (kernels.h, Acts), and its `prepare`: included by
+// What avx512.cpp's register_body needs beyond its int16 form, and the int8 `prepare`: included by
 // avx512.cpp only (built with its flags, twice), in the anonymous namespace as avx2_util.h is.
 //
-// A step reads one 64-byte line of a weight row and multiplies its bytes with the activations' by
-// `vpdpbusd` (unsigned weight byte x signed int8 x, 4 products summed a lane, 64 a instruction):
-// 4-bit rows as their low nibbles against a span's even x and their high ones against its odd x
-// (4 chunks a step, lanes 4i .. 4i + 3 chunk i), 8-bit rows byte for byte against x in its own
-// order (2 chunks a step, lanes 8i .. 8i + 7 chunk i). The scales need no prologue: a run of 16
-// groups at a time has its scales x activation scales in one register per row of x (a step's lanes
-// pick theirs with one permute) and adds its biases x activation sums into the sums at once, so
-// nothing is stored and read back per row. Each output is computed the same way whatever the
-// number of rows, so a sequence gives the same bits alone or in a batch.
+// On int8 activations (kernels.h, Acts) a 64-byte step of a weight row is multiplied by `vpdpbusd`
+// (unsigned weight byte x signed int8 x, 4 products summed a lane, 64 an instruction): 4-bit rows
+// as their low nibbles against a span's even x and their high ones against its odd x (4 chunks a
+// step, lanes 4i .. 4i + 3 chunk i), 8-bit rows byte for byte against x in its own order (2 chunks
+// a step, lanes 8i .. 8i + 7 chunk i): the same lanes as the int16 steps', so the same scales.
 #pragma once
 
 #include <immintrin.h>
@@ -86,18 +82,6 @@ inline V int8_span(V v, const int8_t* xm, int K, int c) {
   }
 }
 
-// One step from chunk c against MB rows of int8 x (Acts: row stride 2K bytes), scaled by the
-// lanes `at` picks of each row's 16 group scales (scale x activation scale).
-template <int BITS, int MB, bool FP4>
-__attribute__((always_inline)) inline void int8_step(const uint8_t* row, const int8_t* xq, int K, int c, __m512i at,
-                                                     const __m512* scales, __m512* into) {
-  const __m512i v = _mm512_loadu_si512(row + c * BITS * 4);
-  for (int m = 0; m < MB; m++) {
-    const __m512i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
-    into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, scales[m]), into[m]);
-  }
-}
-
 // 16 scales (or biases) from element i as floats, 0 in the lanes `mask` leaves out.
 inline __m512 scales16(const void* p, ScaleType t, long i, __mmask16 mask) {
   switch (t) {
@@ -130,83 +114,6 @@ struct StepGroups {
   }
 };
 constexpr StepGroups kStepGroups;
-
-// One weight row (BITS 4 or 8; FP4: MXFP4) against rows [m0, m0 + MB) of int8 activations. Steps
-// alternate between two accumulators per row of x, so no FMA waits on its predecessor.
-template <int BITS, int MB, bool FP4>
-void int8_body(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0) {
-  constexpr int per_step = kInt8Step * 8 / (32 * BITS);  // chunks
-  const int K = w.K, chunks = K / 32, groups = a.groups, per_group = w.group_size / 32;
-  const int32_t(*lanes)[16] = kStepGroups.at[BITS == 8][per_group == 1 ? 0 : per_group == 2 ? 1 : 2];
-  const long first = static_cast<long>(n) * groups;  // the row's first scale
-  const int row_bytes = chunks * BITS * 4, steps = chunks / per_step;
-  const float z = symmetric_bias(w, 1.0f);
-  __m512 acc0[MB], acc1[MB], scales[MB];
-  __m256 tail[MB];
-  for (int m = 0; m < MB; m++) {
-    acc0[m] = acc1[m] = _mm512_setzero_ps();
-    tail[m] = _mm256_setzero_ps();
-  }
-  const int8_t* xq = reinterpret_cast<const int8_t*>(a.xq + static_cast<long>(m0) * K);
-  auto prefetch = [&](int c) { _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS * 4 + kPrefetchBytes), _MM_HINT_T0); };
-  int s = 0;  // steps done
-  for (int g0 = 0; g0 < groups; g0 += 16) {
-    const int count = std::min(16, groups - g0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-    const __m512 scale = scales16(w.scales, w.scale_type, first + g0, mask);
-    const __m512 bias = w.biases ? scales16(w.biases, w.scale_type, first + g0, mask) : _mm512_mul_ps(scale, _mm512_set1_ps(z));
-    for (int m = 0; m < MB; m++) {
-      const long r = static_cast<long>(m0 + m) * groups + g0;
-      scales[m] = _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(mask, a.xscale + r));
-      acc1[m] = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(mask, a.xsum + r), acc1[m]);
-    }
-    // This run's whole steps (runs are whole steps: 16 groups of 1, 2 or 4 chunks), two at a time.
-    const int run_first = s, end = std::min(steps, (g0 + 16) * per_group / per_step);
-    for (; s + 2 <= end; s += 2) {
-      prefetch(s * per_step), prefetch((s + 1) * per_step);
-      int8_step<BITS, MB, FP4>(row, xq, K, s * per_step, _mm512_load_si512(lanes[s - run_first]), scales, acc0);
-      int8_step<BITS, MB, FP4>(row, xq, K, (s + 1) * per_step, _mm512_load_si512(lanes[s + 1 - run_first]), scales,
-                               acc1);
-    }
-    if (s < end) {
-      prefetch(s * per_step);
-      int8_step<BITS, MB, FP4>(row, xq, K, s * per_step, _mm512_load_si512(lanes[s - run_first]), scales, acc0);
-      s++;
-    }
-  }
-  _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes - 1 + kPrefetchBytes), _MM_HINT_T0);
-  int c = steps * per_step;
-  if (c < chunks) {  // the row's last chunks (fewer than a step), scaled from the last run's registers
-    alignas(64) float last[MB][16];
-    for (int m = 0; m < MB; m++) _mm512_store_ps(last[m], scales[m]);
-    const int base = (groups - 1) / 16 * 16 * per_group;  // the last run's first chunk
-    const auto scale_of = [&](int m, int chunk) { return _mm_set1_ps(last[m][(chunk - base) / per_group]); };
-    if (BITS == 4 && c + 2 <= chunks) {  // a span of 2: lanes 0-3 chunk c, 4-7 chunk c + 1
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
-      for (int m = 0; m < MB; m++) {
-        const __m256i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
-        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c + 1), scale_of(m, c)), tail[m]);
-      }
-      c += 2;
-    }
-    if (c < chunks && BITS == 8) {  // a lone chunk of 32 bytes: 8 lanes
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-      for (int m = 0; m < MB; m++) {
-        const __m256i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
-        tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c), scale_of(m, c)), tail[m]);
-      }
-    } else if (c < chunks) {  // a lone chunk of 16 bytes: 4 lanes
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
-      for (int m = 0; m < MB; m++) {
-        const __m128i p = int8_span<BITS, FP4>(v, xq + static_cast<long>(m) * 2 * K, K, c);
-        tail[m] = _mm256_fmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(p)),
-                                  _mm256_set_m128(_mm_setzero_ps(), scale_of(m, c)), tail[m]);
-      }
-    }
-  }
-  for (int m = 0; m < MB; m++)
-    y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]);
-}
 
 // `prepare` for int8 bodies: x rounded to int8 per group (amax / 127 a step), xsum the sum of
 // the rounded values; 8-bit weights' x in its own order, 4-bit weights' in spans' evens and odds
