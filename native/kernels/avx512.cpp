@@ -235,7 +235,7 @@ const Kernels* SHOAL_AVX512_KERNELS(bool int8) {
   static const Kernels wide{SHOAL_AVX512_NAME,    vector_rows<Body::Int16>, avx2->dequant, vector_prepare<kStep>,
                             avx512_gemm_kernel(), natural_prepare};
   static const Kernels bytes{SHOAL_AVX512_NAME,     vector_rows<Body::Int8>, avx2->dequant, int8_prepare,
-                             avx512_gemm8_kernel(), avx512_gemm8_prepare(),   true};
+                             avx512_gemm8_kernel(), gemm8_prepare,            true};
   return int8 ? &bytes : &wide;
 }
 

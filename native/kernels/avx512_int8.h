@@ -115,8 +115,27 @@ struct StepGroups {
 };
 constexpr StepGroups kStepGroups;
 
-// `prepare` for int8 bodies: x rounded to int8 per group (amax / 127 a step), xsum the sum of
-// the rounded values; 8-bit weights' x in its own order, 4-bit weights' in spans' evens and odds
+// One group of gs values of x rounded to int8 (amax / 127 a step) into out, lane i of every 16
+// from lane order[i]: its step, and the sum of the rounded values times it.
+inline void int8_group(const float* xg, int gs, __m512i order, int8_t* out, float* scale, float* sum) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int i = 0; i < gs; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m512i total = _mm512_setzero_si512();
+  for (int i = 0; i < gs; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
+    total = _mm512_add_epi32(total, q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, q)));
+  }
+  *scale = amax / 127.0f;
+  *sum = static_cast<float>(_mm512_reduce_add_epi32(total)) * (amax / 127.0f);
+}
+
+inline __m512i lanes_in_order() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+
+// `prepare` for int8 bodies: x rounded to int8 per group (int8_group), xsum the sum of the
+// rounded values; 8-bit weights' x in its own order, 4-bit weights' in spans' evens and odds
 // (kernels.h, Acts), MXFP4's followed by the sums that cancel kFp4Offset.
 void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
@@ -124,24 +143,11 @@ void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* x
   thread_local std::vector<int8_t> natural;
   natural.resize(static_cast<size_t>(K));
   for (int m = 0; m < M; m++) {
-    const float* xr = x + static_cast<long>(m) * K;
     int8_t* qr = reinterpret_cast<int8_t*>(xq + static_cast<long>(m) * K);
     int8_t* to_natural = spans ? natural.data() : qr;
-    for (int g = 0; g < groups; g++) {
-      const float* xg = xr + g * gs;
-      __m512 vmax = _mm512_setzero_ps();
-      for (int i = 0; i < gs; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
-      const float amax = _mm512_reduce_max_ps(vmax);
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      __m512i total = _mm512_setzero_si512();
-      for (int i = 0; i < gs; i += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
-        total = _mm512_add_epi32(total, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(to_natural + g * gs + i), _mm512_cvtepi32_epi8(q));
-      }
-      xscale[m * groups + g] = amax / 127.0f;
-      xsum[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(total)) * (amax / 127.0f);
-    }
+    for (int g = 0; g < groups; g++)
+      int8_group(x + static_cast<long>(m) * K + g * gs, gs, lanes_in_order(), to_natural + g * gs,
+                 xscale + m * groups + g, xsum + m * groups + g);
     if (!spans) continue;
     int32_t* offsets = reinterpret_cast<int32_t*>(qr + K);  // MXFP4: per lane of 8 values
     int c = 0;  // spans of 4 chunks, then of 2, then 1
@@ -158,6 +164,21 @@ void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* x
         }
       }
     }
+  }
+}
+
+// The int8 gemm's `prepare` (gemm_avx512.cpp's byte panels): as int8_prepare's rounding, each
+// row's K bytes at the start of its place, 4-bit weights' x per 8 as evens, then odds.
+void gemm8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+  const int K = w.K, gs = w.group_size, groups = K / gs;
+  const __m512i order = quant_bits(w.format) == 4
+                            ? _mm512_set_epi32(15, 13, 11, 9, 14, 12, 10, 8, 7, 5, 3, 1, 6, 4, 2, 0)
+                            : lanes_in_order();
+  for (int m = 0; m < M; m++) {
+    int8_t* qr = reinterpret_cast<int8_t*>(xq + static_cast<long>(m) * K);
+    for (int g = 0; g < groups; g++)
+      int8_group(x + static_cast<long>(m) * K + g * gs, gs, order, qr + g * gs, xscale + m * groups + g,
+                 xsum + m * groups + g);
   }
 }
 

@@ -89,10 +89,10 @@ const Kernels* avx2_kernels();
 const Kernels* avx512_kernels(bool int8);
 // The same built with VBMI (avx512.cpp says what for), or nullptr.
 const Kernels* avx512vbmi_kernels(bool int8);
-// Their `gemm` (gemm_avx512.cpp), or nullptr; and the same on int8 activations, with its `prepare`.
+// Their `gemm` (gemm_avx512.cpp), or nullptr; and the same on int8 activations (its `prepare`:
+// avx512_int8.h).
 RowsFn avx512_gemm_kernel();
 RowsFn avx512_gemm8_kernel();
-PrepareFn avx512_gemm8_prepare();
 
 // Whether a format is quantized in groups with per-group scales (affine 4/8-bit, MXFP4), not 16-bit.
 inline bool is_grouped(Format f) { return f != Format::F16 && f != Format::BF16; }
