@@ -65,7 +65,7 @@ inline void fp4_nibbles(__m512i v, __m512i* q) {
 // 4-bit: 32 lanes of 4 nibbles, nibble j of every lane against block j of x, the four products in
 // one chain (exact integer sums, so in any order; two chains and an add cost a uop more: a 1B
 // shape's products at M = 4 took 0.85-0.93x the time with one chain, at M = 1 0.95-1.0x).
-template <int BITS, bool FP4>
+template <int BITS>
 __attribute__((always_inline)) inline __m512i int16_sums(const __m512i* q, const int16_t* x) {
   const __m512i zero = _mm512_setzero_si512();
   if constexpr (BITS == 4) {
@@ -125,7 +125,7 @@ void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y
       if constexpr (I8) {
         p = int8_span<BITS, FP4>(v, reinterpret_cast<const int8_t*>(xm), K, c);
       } else {
-        p = int16_sums<BITS, FP4>(q, xm + c * 32);
+        p = int16_sums<BITS>(q, xm + c * 32);
       }
       into[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, scales[m]), into[m]);
     }
@@ -164,14 +164,14 @@ void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y
     const auto scale_of = [&](int m, int chunk) { return _mm_set1_ps(last[m][(chunk - base) / per_group]); };
     if (BITS == 4 && c + 2 <= chunks) {  // a span of 2: lanes 0-3 chunk c, 4-7 chunk c + 1
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
+      __m256i q[4];
+      if constexpr (!I8) pair_values<FP4>(v, q);
       for (int m = 0; m < MB; m++) {
         const int16_t* xm = xq + static_cast<long>(m) * K;
         __m256i p;
         if constexpr (I8) {
           p = int8_span<BITS, FP4>(v, reinterpret_cast<const int8_t*>(xm), K, c);
         } else {
-          __m256i q[4];
-          pair_values<FP4>(v, q);
           p = pair_sums(q, xm + c * 32);
         }
         tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(scale_of(m, c + 1), scale_of(m, c)), tail[m]);
@@ -179,15 +179,15 @@ void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y
       c += 2;
     }
     if (c < chunks) {  // a lone chunk: 8-bit, 8 lanes; 4-bit, 4 (the high half zero)
+      const uint8_t* bytes = row + c * BITS * 4;
+      const __m256i v8 = BITS == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)) : __m256i{};
+      const __m128i v4 = BITS == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)) : __m128i{};
       for (int m = 0; m < MB; m++) {
         const int16_t* xm = xq + static_cast<long>(m) * K;
         __m256i p;
         if constexpr (I8) {
-          p = BITS == 8 ? int8_span<BITS, FP4>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32)),
-                                               reinterpret_cast<const int8_t*>(xm), K, c)
-                        : _mm256_zextsi128_si256(int8_span<BITS, FP4>(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)),
-                              reinterpret_cast<const int8_t*>(xm), K, c));
+          const int8_t* x8 = reinterpret_cast<const int8_t*>(xm);
+          p = BITS == 8 ? int8_span<BITS, FP4>(v8, x8, K, c) : _mm256_zextsi128_si256(int8_span<BITS, FP4>(v4, x8, K, c));
         } else {
           p = chunk_product<BITS, FP4>(row + c * BITS * 4, xm + c * 32);
         }

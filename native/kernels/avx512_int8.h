@@ -1,5 +1,6 @@
-// What avx512.cpp's register_body needs beyond its int16 form, and the int8 `prepare`: included by
-// avx512.cpp only (built with its flags, twice), in the anonymous namespace as avx2_util.h is.
+// What avx512.cpp's register_body needs beyond its int16 form, and the int8 `prepare`s: included
+// by avx512.cpp and gemm_avx512.cpp (built with AVX-512 VNNI flags), in the anonymous namespace as
+// avx2_util.h is.
 //
 // On int8 activations (kernels.h, Acts) a 64-byte step of a weight row is multiplied by `vpdpbusd`
 // (unsigned weight byte x signed int8 x, 4 products summed a lane, 64 an instruction): 4-bit rows
@@ -18,8 +19,6 @@
 
 namespace shoal {
 namespace {  // NOLINT(google-build-namespaces): see avx2_util.h
-
-constexpr int kInt8Step = 64;  // bytes of a weight row per step: one cache line
 
 // The bytes of a 4-bit span's low and high nibbles (FP4: MXFP4 codes as kE2M1x2 + kFp4Offset).
 template <bool FP4, typename V>
@@ -137,7 +136,7 @@ inline __m512i lanes_in_order() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10
 // `prepare` for int8 bodies: x rounded to int8 per group (int8_group), xsum the sum of the
 // rounded values; 8-bit weights' x in its own order, 4-bit weights' in spans' evens and odds
 // (kernels.h, Acts), MXFP4's followed by the sums that cancel kFp4Offset.
-void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+inline void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs, chunks = K / 32;
   const bool spans = quant_bits(w.format) == 4;
   thread_local std::vector<int8_t> natural;
@@ -169,7 +168,7 @@ void int8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* x
 
 // The int8 gemm's `prepare` (gemm_avx512.cpp's byte panels): as int8_prepare's rounding, each
 // row's K bytes at the start of its place, 4-bit weights' x per 8 as evens, then odds.
-void gemm8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
+inline void gemm8_prepare(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum) {
   const int K = w.K, gs = w.group_size, groups = K / gs;
   const __m512i order = quant_bits(w.format) == 4
                             ? _mm512_set_epi32(15, 13, 11, 9, 14, 12, 10, 8, 7, 5, 3, 1, 6, 4, 2, 0)

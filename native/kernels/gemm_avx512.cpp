@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "avx2_util.h"
+#include "avx512_int8.h"
 
 namespace shoal {
 namespace {
@@ -42,7 +43,7 @@ inline __m512i dpbusd(__m512i sum, __m512i a, __m512i b) {
 constexpr int kTokens = 6;  // rows of x per micro-kernel: 24 of the 32 vector registers hold sums
 
 struct Panel {
-  std::vector<int32_t> q;   // K / 2 x kGemmRows: the pair (k, k + 1) of a row as two int16
+  std::vector<int32_t> q;   // K / 2 x kGemmRows pairs of int16 (pack_panel), or K / 4 of bytes (pack_panel8)
   std::vector<float> s, b;  // groups x kGemmRows
 };
 
@@ -117,17 +118,18 @@ void pack_panel8(const Weights& w, int n0, Panel& p) {
   const int K = w.K, rows = std::min(kGemmRows, w.N - n0);
   p.q.resize(static_cast<size_t>(K / 4) * kGemmRows);
   panel_scales(w, n0, rows, p);
-  alignas(16) static constexpr int8_t kOffset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kOffset)));
-  const __m512i nibbles = _mm512_set1_epi8(0x0f);
   const bool four = quant_bits(w.format) == 4, mx4 = w.format == Format::Mxfp4;
   gather_dwords(w, n0, rows, four ? 8 : 4, p, [&](int k, __m512i v, int32_t* out) {
     if (!four) {
       _mm512_storeu_si512(out + static_cast<long>(k / 4) * kGemmRows, v);
       return;
     }
-    __m512i even = _mm512_and_si512(v, nibbles), odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles);
-    if (mx4) even = _mm512_shuffle_epi8(lut, even), odd = _mm512_shuffle_epi8(lut, odd);
+    __m512i even, odd;
+    if (mx4) {
+      int8_nibbles<true>(v, &even, &odd);
+    } else {
+      int8_nibbles<false>(v, &even, &odd);
+    }
     _mm512_storeu_si512(out + static_cast<long>(k / 4) * kGemmRows, even);
     _mm512_storeu_si512(out + static_cast<long>(k / 4 + 1) * kGemmRows, odd);
   });

@@ -45,11 +45,10 @@ struct Weights {
 // the rows kernel is bound by those instructions, not by memory. Each x then moves by at most half
 // its group's step, amax / 254 (checked against that bound: tests/kernel_error.py): with the
 // outliers of real activations, ~0.5-2% of a product's largest output (SmolLM2-135M), enough to
-// turn its near-ties, so int16 stays the default. Their
-// order: 8-bit weights', x's own; 4-bit weights', a span of S chunks (as affine_position's: 4
-// chunks, then 2, then 1) is its 16S evens, then its 16S odds (a weight byte's low and high
-// nibbles); for MXFP4, the int32 after the K bytes are, per 8 values of a chunk in a product's
-// lanes, -kFp4Offset x their sum (kFp4Offset).
+// turn its near-ties, so int16 stays the default. Their order: 8-bit weights', x's own; 4-bit
+// weights', a span of S chunks (as affine_position's: 4 chunks, then 2, then 1) is its 16S evens,
+// then its 16S odds (a weight byte's low and high nibbles); for MXFP4, the int32 after the K bytes
+// are, per 8 values of a chunk in a product's lanes, -kFp4Offset x their sum (kFp4Offset).
 struct Acts {
   int M, K, groups;
   const float* x;       // M x K, row-major
@@ -85,7 +84,7 @@ const Kernels& portable_kernels();
 // The AVX2+FMA+F16C kernels, or nullptr when this build has none.
 const Kernels* avx2_kernels();
 // The AVX-512 (F, BW, VL) + VNNI kernels, or nullptr when this build has none; int8: with int8
-// activations for quantized weights' decode (Acts), else int16 throughout.
+// activations for quantized weights (Acts; decode and prefill), else int16 throughout.
 const Kernels* avx512_kernels(bool int8);
 // The same built with VBMI (avx512.cpp says what for), or nullptr.
 const Kernels* avx512vbmi_kernels(bool int8);
@@ -120,7 +119,6 @@ void row_scales(const Weights& w, int n, float* scales, float* biases);
 //   makes one vector, so the activations are 4 blocks of 8S, block j = the values 4i + j.
 // - Affine8: 16S lanes of 2 bytes; the activations are the 16S evens, then the odds.
 int affine_position(int k, int K, Format format, int step_bytes);
-
 // The portable `prepare` (for 32-byte steps): plain C++, one value at a time.
 void prepare_acts(const Weights& w, const float* x, int M, int16_t* xq, float* xscale, float* xsum);
 
