@@ -65,7 +65,7 @@ def test_bf16_model_stays_bf16_on_the_kernels(bf16_model: Path, float32_twin: Pa
     with caplog.at_level(logging.INFO, logger="shoal.runner"):
         loaded = load_model(bf16_model, vocab_dir=None)
     assert caplog.messages[-1].startswith("weights: bfloat16 kept as stored in ")
-    layers = [m for _, m in loaded.model.named_modules() if isinstance(m, kernel_layers.KernelHalfLinear)]
+    layers = [m for _, m in loaded.model.named_modules() if isinstance(m, kernel_layers.KernelDenseLinear)]
     assert layers and all(m.weight.dtype == mx.bfloat16 for m in layers)
     norms = [v for k, v in _params(loaded.model) if k.endswith("norm.weight")]
     assert norms and all(v.dtype == mx.float32 for v in norms)  # small parameters: the activations' dtype

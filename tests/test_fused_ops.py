@@ -193,10 +193,16 @@ def test_install_routes_and_falls_back() -> None:
     assert close(mx.logsumexp(big, axis=-1, keepdims=True), original_logsumexp(big, axis=-1, keepdims=True))
     assert close(mx.logsumexp(big, axis=[1]), original_logsumexp(big, axis=1))
     assert calls["logsumexp"] == 2
-    # Not covered: other axes, all axes, 16-bit input.
+    # One row over all axes, as generate_step and a pipeline's last stage ask: the same, routed.
+    row = big[:1]
+    for keepdims in (True, False):
+        got, want = mx.logsumexp(row, keepdims=keepdims), original_logsumexp(row, keepdims=keepdims)
+        assert got.shape == want.shape and close(got, want)
+    assert calls["logsumexp"] == 4
+    # Not covered: other axes, all axes of several rows, 16-bit input.
     for args in ((big, 0), (big, None), (big.astype(mx.float16), -1)):
         assert close(mx.logsumexp(args[0], axis=args[1]), original_logsumexp(args[0], axis=args[1]))
-    assert calls["logsumexp"] == 2
+    assert calls["logsumexp"] == 4
     uninstall_fused_ops()
     assert [getattr(mx.fast, name) for name in OPS] == originals and nn.silu is original_silu
     assert mx.logsumexp is original_logsumexp

@@ -13,10 +13,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
+from node.cpu.kernel_layers import KernelDenseLinear
 from node.models import import_gguf
 from node.models.preflight import check_header
+from node.native import load_kernels
+from node.runner.engine import load_model
 from tests.nodes import start_node
 from tests.test_gguf_import import Q, TinyModel, reference_folder, write_tiny_gguf
 
@@ -51,6 +56,18 @@ def test_the_header_check_and_a_second_import_agree(tmp_path: Path) -> None:
     config = json.loads((first / "config.json").read_text())
     assert config["quantization"]["bits"] == 8
     assert config["quantization"]["model.layers.1.mlp.switch_mlp.up_proj"]["bits"] == 4
+
+
+@pytest.mark.skipif(load_kernels().module is None, reason="needs the native kernels")
+def test_float32_layers_and_routers_of_a_quantized_file_run_on_the_kernels(tmp_path: Path) -> None:
+    """GGUF keeps routers (and here the attention) float32: they go to the kernels as they are, and
+    each router runs inside its MoE operation, so no decode step leaves the kernels' threads."""
+    gguf = tmp_path / "tiny-moe.gguf"
+    write_tiny_gguf(MOE, gguf, seed=3)
+    model = load_model(import_gguf(gguf, tmp_path / "imported"), vocab_dir=None).model
+    assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    assert routers and all(isinstance(r, KernelDenseLinear) and r.weight.dtype == mx.float32 for r in routers)
 
 
 @pytest.mark.parametrize("spec", [MOE, MXFP4_MOE], ids=["q8-q4-experts", "mxfp4-experts"])

@@ -62,8 +62,8 @@ def test_affine_products_match_dequantize_then_matmul(bits: int, group: int, sca
             assert _error(got, x, dense, group, bits) < RELATIVE, (n, k, m)
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_16_bit_products_match_float32(dtype: mx.Dtype) -> None:
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_dense_products_match_float32(dtype: mx.Dtype) -> None:
     mx.random.seed(7)
     for n, k in ((5, 8), (130, 200), (64, 1032), (9, 1048)):
         w = (mx.random.normal((n, k)) * 0.05).astype(dtype)
@@ -107,7 +107,7 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="affine weights need scales"):
         k.weight_matmul(mx.zeros((1, 64)), wq, group_size=32, bits=4)
     with pytest.raises(ValueError, match="weights must be uint32"):
-        k.weight_matmul(mx.zeros((1, 64)), mx.zeros((16, 64)))
+        k.weight_matmul(mx.zeros((1, 64)), mx.zeros((16, 64), dtype=mx.int32))
 
 
 @pytest.mark.parametrize("isa", CAPS)

@@ -11,6 +11,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "avx2_util.h"
@@ -62,18 +63,23 @@ void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const floa
   for (int m = 0; m < MB; m++) y[(m0 + m) * ldy + n] = hsum(_mm256_add_ps(acc0[m], acc1[m])) + bias_sum[m];
 }
 
-// One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly).
-template <bool BF, int MB>
-void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
+// One dense weight row against rows [m0, m0 + MB) of x (float32, read directly), 16 a step.
+template <Format F, int MB>
+void dense_row(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0) {
   const int K = w.K;
   __m256 acc0[MB], acc1[MB];
   for (int m = 0; m < MB; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
   auto load = [&](int k) {
-    return BF ? load_bf16x8(row + k) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+    if constexpr (F == Format::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    const auto* h = reinterpret_cast<const uint16_t*>(row) + k;
+    if constexpr (F == Format::BF16) return load_bf16x8(h);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
   };
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    if (!(k & 16)) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);  // a line
+    if ((k * kDenseBytes<F>) % 64 == 0) {  // a line a step (F32), every other step (16-bit)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + k * kDenseBytes<F> + kPrefetchBytes, _MM_HINT_T0);
+    }
     __m256 w0 = load(k), w1 = load(k + 8);
     for (int m = 0; m < MB; m++) {
       const float* x = a.x + static_cast<long>(m0 + m) * K + k;
@@ -84,7 +90,7 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
   for (int m = 0; m < MB; m++) {
     const float* x = a.x + static_cast<long>(m0 + m) * K;
     float sum = hsum(_mm256_add_ps(acc0[m], acc1[m]));
-    for (int j = k; j < K; j++) sum += x[j] * (BF ? bf16_scalar(row[j]) : _cvtsh_ss(row[j]));
+    for (int j = k; j < K; j++) sum += x[j] * dense_scalar<F>(row, j);
     y[(m0 + m) * ldy + n] = sum;
   }
 }
@@ -98,6 +104,10 @@ void avx2_dequant(const Weights& w, int n0, int n1, float* out) {
   for (int n = n0; n < n1; n++) {
     const uint8_t* row = w.data + static_cast<long>(n) * w.row_bytes;
     float* o = out + static_cast<long>(n - n0) * K;
+    if (w.format == Format::F32) {
+      std::memcpy(o, row, static_cast<size_t>(K) * sizeof(float));
+      continue;
+    }
     if (!grouped) {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
       for (int k = 0; k < K; k += 8) {  // K is a multiple of 8 (checked by the caller)

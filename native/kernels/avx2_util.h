@@ -223,8 +223,22 @@ inline void row_scales(const Weights& w, const Acts& a, int n, int m0, float* sx
 template <int BITS, int MB, bool FP4 = false>
 void affine_body(const Weights& w, const Acts& a, const uint8_t* row, const float* sxc, float* y, long ldy, int n,
                  int m0);
-template <bool BF, int MB>
-void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0);
+// A dense row (F16, BF16, F32) against rows [m0, m0 + MB) of x (float32, read directly).
+template <Format F, int MB>
+void dense_row(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0);
+// Weight j of a dense row as a float (the tail past the vector steps).
+template <Format F>
+inline float dense_scalar(const uint8_t* row, int j) {
+  if constexpr (F == Format::F32) {
+    return reinterpret_cast<const float*>(row)[j];
+  } else {
+    const uint16_t h = reinterpret_cast<const uint16_t*>(row)[j];
+    return F == Format::BF16 ? bf16_scalar(h) : _cvtsh_ss(h);
+  }
+}
+// Bytes of one weight of a dense row.
+template <Format F>
+constexpr int kDenseBytes = F == Format::F32 ? 4 : 2;
 // How an ISA's rows kernel takes a quantized row: after a prologue of its scales (AVX2), or with
 // its scales in registers (AVX-512: register_body) on int16 or int8 activations (Acts).
 enum class Body { Prologue, Int16, Int8 };
@@ -236,9 +250,9 @@ void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y
 // A weight row against rows [m0, m0 + MB) of x through the row bodies (quantized ones: Prologue only).
 template <int MB, Body B>
 void row_block(const Weights& w, const Acts& a, const uint8_t* row, float* sx, float* y, long ldy, int n, int m0) {
-  const auto* half = reinterpret_cast<const uint16_t*>(row);
-  if (w.format == Format::F16) return half_row<false, MB>(w, a, half, y, ldy, n, m0);
-  if (w.format == Format::BF16) return half_row<true, MB>(w, a, half, y, ldy, n, m0);
+  if (w.format == Format::F16) return dense_row<Format::F16, MB>(w, a, row, y, ldy, n, m0);
+  if (w.format == Format::BF16) return dense_row<Format::BF16, MB>(w, a, row, y, ldy, n, m0);
+  if (w.format == Format::F32) return dense_row<Format::F32, MB>(w, a, row, y, ldy, n, m0);
   if constexpr (B == Body::Prologue) {
     row_scales<MB>(w, a, n, m0, sx);
     const auto body = w.format == Format::Affine4 ? affine_body<4, MB>

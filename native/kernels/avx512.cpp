@@ -199,19 +199,23 @@ void register_body(const Weights& w, const Acts& a, const uint8_t* row, float* y
     y[(m0 + m) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + hsum(tail[m]);
 }
 
-// One 16-bit weight row against rows [m0, m0 + MB) of x (float32, read directly), 32 a step.
-template <bool BF, int MB>
-void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, long ldy, int n, int m0) {
+// One dense weight row against rows [m0, m0 + MB) of x (float32, read directly), 32 a step.
+template <Format F, int MB>
+void dense_row(const Weights& w, const Acts& a, const uint8_t* row, float* y, long ldy, int n, int m0) {
   const int K = w.K;
   __m512 acc0[MB], acc1[MB];
   for (int m = 0; m < MB; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
   auto load = [&](int k) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-    return BF ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    if constexpr (F == Format::F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(row) + k));
+    if constexpr (F == Format::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
   };
   int k = 0;
   for (; k + 32 <= K; k += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);  // a line
+    const char* at = reinterpret_cast<const char*>(row) + k * kDenseBytes<F> + kPrefetchBytes;
+    _mm_prefetch(at, _MM_HINT_T0);  // a line a step (16-bit), two (F32)
+    if constexpr (F == Format::F32) _mm_prefetch(at + 64, _MM_HINT_T0);
     const __m512 w0 = load(k), w1 = load(k + 16);
     for (int m = 0; m < MB; m++) {
       const float* x = a.x + static_cast<long>(m0 + m) * K + k;
@@ -222,7 +226,7 @@ void half_row(const Weights& w, const Acts& a, const uint16_t* row, float* y, lo
   for (int m = 0; m < MB; m++) {
     const float* x = a.x + static_cast<long>(m0 + m) * K;
     float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-    for (int j = k; j < K; j++) sum += x[j] * (BF ? bf16_scalar(row[j]) : _cvtsh_ss(row[j]));
+    for (int j = k; j < K; j++) sum += x[j] * dense_scalar<F>(row, j);
     y[(m0 + m) * ldy + n] = sum;
   }
 }

@@ -12,7 +12,8 @@
 //   4-bit E2M1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated), one E8M0 scale byte e per
 //   32 weights (w = E2M1 * 2^(e - 127)), no biases. The kernels read a code as twice its value, an
 //   int8 in [-12, 12] (kE2M1x2), times 2^(e - 128), so it runs Affine4's integer products as stored.
-// - F16 / BF16: plain 16-bit weights.
+// - F16 / BF16 / F32: plain weights (F32: the float32 layers a quantized file keeps, such as GGUF's
+//   expert routers, which would otherwise go to a BLAS call and its own threads at every step).
 //
 // Products are y[m, n] = sum_k x[m, k] * w[n, k] for M rows of x (float32).
 #pragma once
@@ -22,7 +23,7 @@
 
 namespace shoal {
 
-enum class Format { Affine4, Affine8, Mxfp4, F16, BF16 };
+enum class Format { Affine4, Affine8, Mxfp4, F16, BF16, F32 };
 enum class ScaleType { F32, F16, BF16, E8M0 };
 
 struct Weights {
@@ -94,7 +95,7 @@ RowsFn avx512_gemm_kernel();
 RowsFn avx512_gemm8_kernel();
 
 // Whether a format is quantized in groups with per-group scales (affine 4/8-bit, MXFP4), not 16-bit.
-inline bool is_grouped(Format f) { return f != Format::F16 && f != Format::BF16; }
+inline bool is_grouped(Format f) { return f != Format::F16 && f != Format::BF16 && f != Format::F32; }
 // Bits per stored weight of a quantized format.
 inline int quant_bits(Format f) { return f == Format::Affine8 ? 8 : 4; }
 // The bias of a group with scale s when the weights come without biases (symmetric; MXFP4: none).

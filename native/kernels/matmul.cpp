@@ -45,7 +45,8 @@ Format format_of(mx::Dtype dtype, int bits) {
   if (dtype == mx::uint32 && bits == 8) return Format::Affine8;
   if (dtype == mx::float16) return Format::F16;
   if (dtype == mx::bfloat16) return Format::BF16;
-  throw std::invalid_argument("[shoal_matmul] weights must be uint32 (4 or 8 bits), float16 or bfloat16");
+  if (dtype == mx::float32) return Format::F32;
+  throw std::invalid_argument("[shoal_matmul] weights must be uint32 (4 or 8 bits), float16, bfloat16 or float32");
 }
 
 ScaleType scale_type_of(mx::Dtype dtype) {
@@ -56,7 +57,7 @@ ScaleType scale_type_of(mx::Dtype dtype) {
   throw std::invalid_argument("[shoal_matmul] scales and biases must be float32, float16 or bfloat16 (uint8: MXFP4)");
 }
 
-int bits_of(Format f) { return is_grouped(f) ? quant_bits(f) : 16; }
+int bits_of(Format f) { return is_grouped(f) ? quant_bits(f) : f == Format::F32 ? 32 : 16; }
 
 // Rows of output per task: a multiple of 8 (a cache line of y per row of x), at least 16.
 int task_rows(int N, int threads) {
@@ -91,9 +92,13 @@ void tiled_product(const Weights& w, const float* x, int M, float* y) {
   pool.run(tasks, [&](int t) {
     thread_local std::vector<float> buffer;
     const int n0 = t * tile, n1 = std::min(w.N, n0 + tile);
-    buffer.resize(static_cast<size_t>(n1 - n0) * w.K);
-    k.dequant(w, n0, n1, buffer.data());
-    sgemm(kRowMajor, kNoTrans, kTrans, M, n1 - n0, w.K, 1.0f, x, w.K, buffer.data(), w.K, 0.0f, y + n0, w.N);
+    const float* tile_w = reinterpret_cast<const float*>(w.data + static_cast<long>(n0) * w.row_bytes);
+    if (w.format != Format::F32) {  // float32 rows go to sgemm as they are
+      buffer.resize(static_cast<size_t>(n1 - n0) * w.K);
+      k.dequant(w, n0, n1, buffer.data());
+      tile_w = buffer.data();
+    }
+    sgemm(kRowMajor, kNoTrans, kTrans, M, n1 - n0, w.K, 1.0f, x, w.K, tile_w, w.K, 0.0f, y + n0, w.N);
   });
 }
 
@@ -223,7 +228,7 @@ WeightSpec weight_spec(const mx::array& w, const std::optional<mx::array>& scale
       format = Format::Mxfp4;
     }
   } else if (K % 8 != 0) {
-    throw std::invalid_argument("[shoal_matmul] 16-bit weights need K to be a multiple of 8");
+    throw std::invalid_argument("[shoal_matmul] dense weights need K to be a multiple of 8");
   }
   return {format, is_grouped(format) ? group_size : 0, N, K};
 }

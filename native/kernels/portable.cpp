@@ -70,6 +70,8 @@ inline float weight_at(const Weights& w, const uint8_t* row, const float* s, con
       return half_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
     case Format::BF16:
       return bf16_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
+    case Format::F32:
+      return reinterpret_cast<const float*>(row)[k];
   }
   return 0.0f;
 }

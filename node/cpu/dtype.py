@@ -37,8 +37,8 @@ from node.cpu.fused import install_fused_ops
 from node.cpu.fused_layers import fuse_decoder_layers
 from node.cpu.fused_stack import stack_decoder
 from node.cpu.kernel_layers import (
-    KernelHalfEmbedding,
-    KernelHalfLinear,
+    KernelDenseEmbedding,
+    KernelDenseLinear,
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
     kernel_layer,
@@ -58,9 +58,9 @@ HEADROOM_MIN_BYTES = 512 * 1024**2
 
 KERNEL_LAYERS = (
     KernelQuantizedLinear,
-    KernelHalfLinear,
+    KernelDenseLinear,
     KernelQuantizedEmbedding,
-    KernelHalfEmbedding,
+    KernelDenseEmbedding,
     KernelSwitchLinear,
 )
 

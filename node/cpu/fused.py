@@ -170,6 +170,11 @@ def _make_logsumexp(kernels: ModuleType, original: Callable[..., Any]) -> Callab
     def logsumexp(a: mx.array, axis: Any = None, keepdims: bool = False, *, stream: Any = None) -> mx.array:
         if isinstance(axis, (list, tuple)) and len(axis) == 1:
             axis = axis[0]
+        if axis is None and isinstance(a, mx.array) and a.ndim >= 1 and a.size == a.shape[-1]:
+            # One row (generate_step's and a pipeline's last stage's call): the same sum, as a scalar
+            # unless keepdims.
+            out = logsumexp(a, -1, keepdims, stream=stream)
+            return out if keepdims else out.reshape(())
         if (
             _on_cpu(stream)
             and isinstance(a, mx.array)

@@ -8,7 +8,9 @@ lazy, on MLX's CPU stream, all cores):
 - `nn.QuantizedLinear` (affine, 4 or 8 bits, groups of 32/64/128;
   or MXFP4, known to the kernels by its uint8 E8M0 scales)         -> `KernelQuantizedLinear`
 - `nn.QuantizedEmbedding` (same)                                  -> `KernelQuantizedEmbedding`
-- `nn.Linear` / `nn.Embedding` with float16 or bfloat16 weights   -> `KernelHalfLinear` / `...Embedding`
+- `nn.Linear` / `nn.Embedding` with float16, bfloat16 or float32 -> `KernelDenseLinear` / `...Embedding`
+  weights (float32: what a quantized file keeps so, such as GGUF's expert routers, whose products
+  would otherwise wake the BLAS shim's threads, which then spin beside the kernels' at every step)
 
 The replacements hold the very same arrays under the same names (`weight`, `scales`,
 `biases`, `bias`), so memory stays at the stored size and nothing that walks parameters changes.
@@ -29,7 +31,7 @@ import mlx.nn as nn
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
-HALF_DTYPES = (mx.float16, mx.bfloat16)
+DENSE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def is_supported_quantized(module: Any) -> bool:
@@ -56,11 +58,12 @@ def is_mxfp4(module: Any) -> bool:
     return module.bits == 4 and module.group_size == 32 and module["scales"].dtype == mx.uint8
 
 
-def is_half_dense(module: Any) -> bool:
-    """A plain Linear or Embedding with 16-bit weights (K a multiple of 8, as every model has)."""
+def is_plain_dense(module: Any) -> bool:
+    """A plain Linear or Embedding with 16- or 32-bit float weights (K a multiple of 8, as every
+    model has). Only models kept as stored come here: a float32 model stays on MLX and the shim."""
     return (
         type(module) in (nn.Linear, nn.Embedding)
-        and module.weight.dtype in HALF_DTYPES
+        and module.weight.dtype in DENSE_DTYPES
         and module.weight.shape[-1] % 8 == 0
     )
 
@@ -107,8 +110,9 @@ class KernelQuantizedLinear(_KernelLayer):
         return y + self.bias if "bias" in self else y
 
 
-class KernelHalfLinear(KernelQuantizedLinear):
-    """Same call as the quantized one: the kernels tell the layouts apart by the weight's dtype."""
+class KernelDenseLinear(KernelQuantizedLinear):
+    """Same call as the quantized one: the kernels tell the layouts apart by the weight's dtype
+    (`bits` 16 stands for every dense one)."""
 
 
 class KernelQuantizedEmbedding(_KernelLayer):
@@ -127,7 +131,7 @@ class KernelQuantizedEmbedding(_KernelLayer):
         return self._product(x)
 
 
-class KernelHalfEmbedding(_KernelLayer):
+class KernelDenseEmbedding(_KernelLayer):
     def __call__(self, ids: mx.array) -> mx.array:
         return self.weight[ids].astype(mx.float32)
 
@@ -140,7 +144,7 @@ def kernel_layer(kernels: ModuleType, module: Any) -> nn.Module | None:
     if is_supported_quantized(module):
         cls = KernelQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else KernelQuantizedLinear
         return cls(kernels, module, group_size=module.group_size, bits=module.bits)
-    if is_half_dense(module):
-        half = KernelHalfEmbedding if isinstance(module, nn.Embedding) else KernelHalfLinear
-        return half(kernels, module)
+    if is_plain_dense(module):
+        dense = KernelDenseEmbedding if isinstance(module, nn.Embedding) else KernelDenseLinear
+        return dense(kernels, module)
     return None
