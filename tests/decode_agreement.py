@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tests.kernel_error import int8_rows
+from node.cpu.dtype import rounds_to_int8
 
 LOGIT_SHARE = 0.02
 """Largest logit difference allowed, as a share of the reference's logit range at that step
@@ -41,12 +41,12 @@ def forced_logits(model: Any, prompt: list[int], tokens: list[int]) -> np.ndarra
 
 
 def assert_same_text(
-    model: Any, tokenizer: Any, reference: Any, ref_tokenizer: Any, prompt: list[int], bits: int = 4
+    model: Any, tokenizer: Any, reference: Any, ref_tokenizer: Any, prompt: list[int]
 ) -> None:
-    """The model (its weights `bits`-bit, some of them at least) writes the reference's greedy
-    text: exactly, or where its activations are int8, its logits stay close step by step."""
+    """The model writes the reference's greedy text: exactly, or where some of its products round
+    activations to int8 (`rounds_to_int8`, as the runner asks), its logits stay close step by step."""
     want = greedy_tokens(reference, ref_tokenizer, prompt)
-    if not int8_rows(bits):
+    if not rounds_to_int8(model):
         assert greedy_tokens(model, tokenizer, prompt) == want
         return
     got, expected = forced_logits(model, prompt, want), forced_logits(reference, prompt, want)

@@ -16,11 +16,15 @@ RELATIVE = 1e-4
 """Float rounding left after the int8 bound (int16 activations alone stay near 1e-5)."""
 
 
-def int8_rows(bits: int) -> bool:
-    """Whether the active kernels round x to int8 for `bits`-bit weights (decode's rows kernel and
-    prefill's gemm alike; 16-bit weights take x as it is)."""
+def int8_rows(bits: int, experts: bool = False) -> bool:
+    """Whether the kernels round x to int8 for `bits`-bit weights (decode's rows kernel and
+    prefill's gemm alike; 16-bit weights take x as it is): in experts' products (moe_mlp,
+    moe_routed, gather_matmul; by default where the CPU has int8 bodies) or in the rest
+    (SHOAL_KERNEL_ACTS=int8 only)."""
     module = load_kernels().module
-    return module is not None and bits in (4, 8) and bool(module.int8_activations())
+    if module is None or bits not in (4, 8):
+        return False
+    return bool(module.expert_int8_activations() if experts else module.int8_activations())
 
 
 def half_steps(x: np.ndarray, group: int) -> np.ndarray:

@@ -43,7 +43,7 @@ def reference(
         np.zeros(p[0].shape[:2]) if p[3] is None else np.array(p[3], np.float64) for p in projections
     )
     xs = np.array(x, dtype=np.float64)
-    rounded = int8_rows(projections[0][5])
+    rounded = int8_rows(projections[0][5], experts=True)
     seen = int8_rounded(xs, projections[0][4]) if rounded else xs
     ids, ss = np.array(idx), np.array(scores, dtype=np.float64)
     out, slack = np.zeros_like(xs), np.zeros_like(xs)

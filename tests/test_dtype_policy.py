@@ -17,6 +17,7 @@ from node.cpu.dtype import apply_dtype_policy
 from node.native import KernelLoad, load_kernels
 from node.runner.engine import load_model
 from tests.decode_agreement import assert_same_text, greedy_tokens
+from tests.kernel_error import int8_rows
 from tests.model_factory import dequantized_copy, make_random_model, quantized_copy, write_model_folder
 
 NO_KERNELS = KernelLoad(None, "kernels left out by the test")
@@ -91,9 +92,10 @@ def test_quantized_model_stays_quantized_and_matches_its_float32_weights(
         stored = sum(v.nbytes for v in weights.values())
         held = sum(v.nbytes for _, v in _params(loaded.model))
         assert held < 1.1 * stored, (held, stored)  # as stored, not float32 (which would be ~4-8x)
+        assert loaded.stepwise_replay == int8_rows(bits)  # a dense model: int8 only if asked for
         prompt = list(range(300, 340))
         reference = _float32_model(ahead)
-        assert_same_text(loaded.model, loaded.tokenizer, reference.model, reference.tokenizer, prompt, bits)
+        assert_same_text(loaded.model, loaded.tokenizer, reference.model, reference.tokenizer, prompt)
 
 
 def test_without_kernels_bf16_and_quantized_become_float32(bf16_model: Path, tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def _reference(
 def _error(got: mx.array, x: mx.array, chosen: mx.array, group: int, bits: int) -> float:
     """Largest error relative to the product's own scale, past int8 rounding of x where the rows
     kernel does that (tests/kernel_error.py; groups of more rows go to the gemm, well inside)."""
-    return excess(got, x.astype(mx.float32), chosen, group, int8_rows(bits))
+    return excess(got, x.astype(mx.float32), chosen, group, int8_rows(bits, experts=True))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

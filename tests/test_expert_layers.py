@@ -204,5 +204,5 @@ def test_moe_blocks_as_one_operation_give_the_text_and_rows_of_the_switchglu_rou
         assert got.shape == want.shape == (rows, 1, 128)
         # SwitchGLU's int8 steps of max |x| / 254 through the activation: 1.1-1.8% of max |y|
         # measured (int16: 1e-5); a wrong expert, row or activation: ~100%
-        tolerance = 4e-2 if rows > 8 and int8_rows(4) else 1e-3
+        tolerance = 4e-2 if rows > 8 and int8_rows(4, experts=True) else 1e-3
         assert mx.all(mx.abs(got - want) < tolerance * mx.abs(want).max()).item()

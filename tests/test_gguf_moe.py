@@ -17,11 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from node.cpu.dtype import rounds_to_int8
 from node.cpu.kernel_layers import KernelDenseLinear
 from node.models import import_gguf
 from node.models.preflight import check_header
 from node.native import load_kernels
 from node.runner.engine import load_model
+from tests.kernel_error import int8_rows
 from tests.nodes import start_node
 from tests.test_gguf_import import Q, TinyModel, reference_folder, write_tiny_gguf
 
@@ -68,6 +70,9 @@ def test_float32_layers_and_routers_of_a_quantized_file_run_on_the_kernels(tmp_p
     assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
     routers = [layer.mlp.gate for layer in model.model.layers]
     assert routers and all(isinstance(r, KernelDenseLinear) and r.weight.dtype == mx.float32 for r in routers)
+    # Its experts round activations to int8 where the CPU has int8 bodies (the default), so a
+    # failover replays step by step.
+    assert rounds_to_int8(model) == int8_rows(4, experts=True)
 
 
 @pytest.mark.parametrize("spec", [MOE, MXFP4_MOE], ids=["q8-q4-experts", "mxfp4-experts"])

@@ -42,6 +42,8 @@ NB_MODULE(_kernels, m) {
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });
   m.def("int8_activations", [] { return shoal::active_kernels().int8; },
         "Whether the rows kernel rounds quantized weights' activations to int8 (else int16).");
+  m.def("expert_int8_activations", [] { return shoal::expert_kernels().int8; },
+        "The same for experts' products (moe_mlp, moe_routed, gather_matmul).");
   m.def("has_blas", &shoal::has_blas);
   m.def("threads", &shoal::pool_threads);
   // Fused CPU versions of mx.fast.rms_norm / rope / scaled_dot_product_attention (node/runner/fused.py).

@@ -93,7 +93,7 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
   gathered.resize(gathered_rows * K);
   results.resize(gathered_rows * N);
   // Large groups on `gemm` are prepared from x where it is: no float copy.
-  const Kernels& k = active_kernels();
+  const Kernels& k = expert_kernels();
   const bool gemm = gemm_takes(k, experts.first);
   auto on_gemm = [&](const Group& g) { return gemm && (g.end - g.begin) * R > kMaxRows; };
   long at = 0;
@@ -122,7 +122,7 @@ void gather_product(const Experts& experts, const float* x, const uint32_t* indi
     const int rows = (g.end - g.begin) * R;
     if (rows <= kMaxRows) {
       const size_t i = jobs.size();
-      acts[i] = prepared[i].prepare(g.w, g.x, rows);
+      acts[i] = prepared[i].prepare(g.w, g.x, rows, &k);
       jobs.push_back({&g.w, &acts[i], g.y});
     }
   }

@@ -40,13 +40,14 @@ struct Weights {
 // Activations as the small-batch affine kernels read them: x quantized to int16 per weight group
 // (the int16 x 4/8-bit products run on integer multiply-adds at twice the rate of float FMAs,
 // and an int16 grid keeps the relative error near 1e-5, far below the weights' own).
-// Kernels with int8 bodies (AVX-512 VNNI, avx512_int8.h; chosen by SHOAL_KERNEL_ACTS=int8) take
+// Kernels with int8 bodies (AVX-512 VNNI, avx512_int8.h; experts' products by default, every
+// quantized product with SHOAL_KERNEL_ACTS=int8, none with SHOAL_KERNEL_ACTS=int16: matmul.h) take
 // quantized weights' activations as int8 instead, as llama.cpp does (its Q8 activations): a byte
 // product does twice the multiply-adds of an int16 one per instruction, on half the unpacking, and
 // the rows kernel is bound by those instructions, not by memory. Each x then moves by at most half
 // its group's step, amax / 254 (checked against that bound: tests/kernel_error.py): with the
 // outliers of real activations, ~0.5-2% of a product's largest output (SmolLM2-135M), enough to
-// turn its near-ties, so int16 stays the default. Their order: 8-bit weights', x's own; 4-bit
+// turn its near-ties, so int16 stays the default outside experts. Their order: 8-bit weights', x's own; 4-bit
 // weights', a span of S chunks (as affine_position's: 4 chunks, then 2, then 1) is its 16S evens,
 // then its 16S odds (a weight byte's low and high nibbles); for MXFP4, the int32 after the K bytes
 // are, per 8 values of a chunk in a product's lanes, -kFp4Offset x their sum (kFp4Offset).
@@ -57,6 +58,8 @@ struct Acts {
                         // (int8: a row's place holds K bytes, then for MXFP4 K / 8 int32 sums)
   const float* xscale;  // M x groups: x = xq * xscale within a group
   const float* xsum;    // M x groups: the sum of x over the group (int8: of xq * xscale, the x used)
+  const struct Kernels* kernels = nullptr;  // the set that prepared xq, whose `rows` reads it
+                                            // (nullptr: active_kernels(); dense weights: any)
 };
 
 // Rows [n0, n1) of the product into y[m * ldy + n].

@@ -60,7 +60,8 @@ void products(const std::vector<Output>& outs, const float* x, int M);
 struct PreparedActs {
   std::vector<int16_t> xq;
   std::vector<float> xscale, xsum;
-  Acts prepare(const Weights& w, const float* x, int M);  // M <= kMaxRows
+  // M <= kMaxRows; kernels: the set whose `rows` will read them (nullptr: active_kernels()).
+  Acts prepare(const Weights& w, const float* x, int M, const Kernels* kernels = nullptr);
 };
 // One `rows` product: y (row stride w->N) = a's rows @ w.T.
 struct RowsJob {
@@ -79,6 +80,9 @@ std::string set_blas_library(const std::string& path);
 
 // The kernel set in use ("avx512vbmi", "avx512", "avx2" or "portable"); SHOAL_KERNEL_ISA caps it.
 const Kernels& active_kernels();
+// The same instruction set for experts' products (moe_mlp, moe_routed, gather_matmul): with int8
+// activations where it has them, unless SHOAL_KERNEL_ACTS=int16.
+const Kernels& expert_kernels();
 bool has_blas();
 int pool_threads();
 

@@ -114,7 +114,7 @@ void moe_block(const BoundExperts& gate, const BoundExperts& up, const BoundExpe
   }
   const size_t G = groups.size();
   // x rounded once per token for the gate/up layout; a group of other tokens gets its rows copied.
-  const Acts all = s.tokens.prepare(gate.experts.first, x, T);
+  const Acts all = s.tokens.prepare(gate.experts.first, x, T, &expert_kernels());
   const int chunks = all.groups;
   s.xq.resize(static_cast<size_t>(rows) * D);
   s.x.resize(static_cast<size_t>(rows) * D);
@@ -141,7 +141,8 @@ void moe_block(const BoundExperts& gate, const BoundExperts& up, const BoundExpe
         std::memcpy(&s.xscale[r * chunks], all.xscale + t * chunks, chunks * sizeof(float));
         std::memcpy(&s.xsum[r * chunks], all.xsum + t * chunks, chunks * sizeof(float));
       }
-      s.acts[gi] = {n, D, chunks, &s.x[row * D], &s.xq[row * D], &s.xscale[row * chunks], &s.xsum[row * chunks]};
+      s.acts[gi] = {n, D, chunks, &s.x[row * D], &s.xq[row * D], &s.xscale[row * chunks], &s.xsum[row * chunks],
+                    all.kernels};
     }
     s.weights[3 * gi] = gate.experts.at(g.e), s.weights[3 * gi + 1] = up.experts.at(g.e);
     s.jobs.push_back({&s.weights[3 * gi], &s.acts[gi], &s.g[row * I]});
@@ -160,7 +161,7 @@ void moe_block(const BoundExperts& gate, const BoundExperts& up, const BoundExpe
                up.bias ? up.bias + static_cast<long>(g.e) * I : nullptr, I, &s.h[r]);
     }
     s.weights[3 * gi + 2] = down.experts.at(g.e);
-    s.acts[gi] = s.down_acts[gi].prepare(s.weights[3 * gi + 2], &s.h[row * I], n);
+    s.acts[gi] = s.down_acts[gi].prepare(s.weights[3 * gi + 2], &s.h[row * I], n, &expert_kernels());
     s.jobs.push_back({&s.weights[3 * gi + 2], &s.acts[gi], &s.d[row * D]});
     row += n;
   }

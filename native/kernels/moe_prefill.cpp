@@ -84,12 +84,12 @@ void small_on_rows(const BoundExperts& gate, const BoundExperts& up, const Bound
     const int n = g.end - g.begin;
     if (down_step) {
       s.small_w[i] = down.experts.at(g.e);
-      s.small_acts[i] = s.small_h[i].prepare(s.small_w[i], &s.h[static_cast<size_t>(g.begin) * I], n);
+      s.small_acts[i] = s.small_h[i].prepare(s.small_w[i], &s.h[static_cast<size_t>(g.begin) * I], n, &expert_kernels());
       s.rows_jobs.push_back({&s.small_w[i], &s.small_acts[i], &s.d[static_cast<size_t>(g.begin) * D]});
       continue;
     }
     s.small_w[2 * i] = gate.experts.at(g.e), s.small_w[2 * i + 1] = up.experts.at(g.e);
-    s.small_acts[i] = s.small_x[i].prepare(s.small_w[2 * i], &s.x[static_cast<size_t>(g.begin) * D], n);
+    s.small_acts[i] = s.small_x[i].prepare(s.small_w[2 * i], &s.x[static_cast<size_t>(g.begin) * D], n, &expert_kernels());
     s.rows_jobs.push_back({&s.small_w[2 * i], &s.small_acts[i], &s.g[static_cast<size_t>(g.begin) * I]});
     s.rows_jobs.push_back({&s.small_w[2 * i + 1], &s.small_acts[i], &s.u[static_cast<size_t>(g.begin) * I]});
   }
@@ -141,7 +141,7 @@ void moe_prefill(const BoundExperts& gate, const BoundExperts& up, const BoundEx
   for (int r = 0; r < rows; r++) s.row_of[s.order[r]] = r;
   s.g.resize(static_cast<size_t>(rows) * I), s.u.resize(s.g.size()), s.h.resize(s.g.size());
   s.d.resize(static_cast<size_t>(rows) * D);
-  const Kernels& kern = active_kernels();
+  const Kernels& kern = expert_kernels();
   if (gemm_takes(kern, gate.experts.first) && gemm_takes(kern, down.experts.first)) {
     s.large.clear(), s.small.clear();
     for (const Group& g : s.groups) (g.end - g.begin > kMaxRows ? s.large : s.small).push_back(g);

@@ -175,14 +175,23 @@ def _to_float32(model: nn.Module, quantized: list[tuple[str, Any]]) -> None:
     model.set_dtype(mx.float32)  # anything held outside a module's own attributes (no-op otherwise)
 
 
-def rounds_to_int8() -> bool:
-    """Whether this process's quantized products round activations to int8 (native/kernels/kernels.h,
-    Acts): a prefill chunk and a decode step then differ by more than their float sums' last bits
-    (a rounding can tip), enough to turn a near-tie, so a failover replays step by step (`Admitted`)."""
-    if not kernels_enabled():
+def rounds_to_int8(model: nn.Module | None) -> bool:
+    """Whether some of this model's quantized products round activations to int8 in this process
+    (native/kernels/kernels.h, Acts: experts' by default, every one with SHOAL_KERNEL_ACTS=int8): a
+    prefill chunk and a decode step then differ by more than their float sums' last bits (a
+    rounding can tip), enough to turn a near-tie, so a failover replays step by step (`Admitted`).
+    A pipeline's first stage answers for its instance: a MoE model has experts in every stage."""
+    module = load_kernels().module if kernels_enabled() and model is not None else None
+    if module is None or model is None:
         return False
-    module = load_kernels().module
-    return module is not None and bool(module.int8_activations())
+    experts = module.expert_int8_activations() and any(
+        isinstance(m, KernelSwitchLinear) for _, m in model.named_modules()
+    )
+    quantized = (KernelQuantizedLinear, KernelQuantizedEmbedding)
+    others = module.int8_activations() and any(
+        isinstance(m, quantized) and m.bits < 16 for _, m in model.named_modules()
+    )
+    return bool(experts or others)
 
 
 def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:

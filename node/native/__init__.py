@@ -78,7 +78,13 @@ def load_kernels() -> KernelLoad:
     prefill = "OpenBLAS sgemm for prefill" if not problem else f"no sgemm for prefill ({problem})"
     if module.kernel_name().startswith("avx512"):  # its own prefill product for quantized weights
         prefill += " of 16-bit weights, VNNI for quantized ones"
-    decode = ", int8 activations" if module.int8_activations() else ""
+    decode = (
+        ", int8 activations"
+        if module.int8_activations()
+        else ", int8 activations for experts"
+        if module.expert_int8_activations()
+        else ""
+    )
     return KernelLoad(
         module, f"{module.kernel_name()} kernels, {module.threads()} thread(s), {prefill}{decode}"
     )

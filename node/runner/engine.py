@@ -97,7 +97,7 @@ def loaded_model(
         int(context),
         sampling,
         vocab_size=_vocab_size(config),
-        stepwise_replay=rounds_to_int8(),
+        stepwise_replay=rounds_to_int8(model),
     )
 
 
