@@ -144,19 +144,27 @@ def wall_request(client: httpx.Client, node: RunningNode, text: str, tokens: int
     return seconds, int(stream.usage["prompt_tokens"]), int(stream.usage["completion_tokens"])
 
 
+def shoal_decode(client: httpx.Client, node: RunningNode, timing: Timing) -> tuple[float, int]:
+    """(decode tok/s, completion tokens) of STORY, timed by content chunks or by whole requests
+    (module docstring)."""
+    if timing == "chunks":
+        _, decode, _, output = shoal_request(client, node, STORY, OUTPUT_TOKENS)
+        return decode, output
+    first, _, _ = wall_request(client, node, STORY, 1)
+    whole, _, output = wall_request(client, node, STORY, OUTPUT_TOKENS)
+    return ((output - 1) / (whole - first) if output > 1 and whole > first else float("nan")), output
+
+
 def shoal_rates(
     client: httpx.Client, node: RunningNode, long_text: str, timing: Timing
 ) -> tuple[float, float, int, int]:
     """(prefill tok/s, decode tok/s, prompt tokens, completion tokens): a decode of STORY, then a
-    prefill of `long_text`, timed by content chunks or by whole requests (module docstring)."""
+    prefill of `long_text`, timed as `shoal_decode` and the same way."""
+    decode, output = shoal_decode(client, node, timing)
     if timing == "chunks":
-        _, decode, _, output = shoal_request(client, node, STORY, OUTPUT_TOKENS)
         prefill, _, prompt, _ = shoal_request(client, node, long_text, 2)
         return prefill, decode, prompt, output
-    first, _, _ = wall_request(client, node, STORY, 1)
-    whole, _, output = wall_request(client, node, STORY, OUTPUT_TOKENS)
     seconds, prompt, _ = wall_request(client, node, long_text, 1)
-    decode = (output - 1) / (whole - first) if output > 1 and whole > first else float("nan")
     return prompt / seconds, decode, prompt, output
 
 
