@@ -2,7 +2,9 @@
 
 The build is optional: when CMake, a C++ compiler or the MLX headers are missing, or
 SHOAL_NATIVE=0 is set, the package installs without them and the runner uses plain MLX (it logs
-one line saying so). Everything else about the package is in pyproject.toml.
+one line saying so). SHOAL_NATIVE=required (CI: `.ci/run`) makes a failed build fail the install,
+so a compile error cannot pass as a green run whose kernel tests skip. Everything else about the
+package is in pyproject.toml.
 """
 
 import os
@@ -20,6 +22,8 @@ class OptionalCMakeBuild(CMakeBuild):
         try:
             super().run()
         except Exception as exc:  # an install without kernels still serves models
+            if os.environ.get("SHOAL_NATIVE", "").strip().lower() == "required":
+                raise
             print(f"shoal native: build failed ({exc}); runners will use plain MLX", file=sys.stderr)
 
 

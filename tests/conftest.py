@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,20 @@ rightly declared dead, which moves instances for nothing; such a test gets one r
 -rerunfailures; `-raR` names every rerun, so a flaky one stays visible). A real defect fails twice.
 Not test_cluster_files_nodes: its first test leaves the instance and fetched files in its module's
 cluster, so a rerun fails on those ("200 == 201") and hides the first failure's traceback."""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With SHOAL_NATIVE=required (CI), a missing kernel extension or BLAS shim ends the run
+    instead of letting the tests that need them skip."""
+    if os.environ.get("SHOAL_NATIVE", "").strip().lower() != "required":
+        return
+    from node.native import SHIM_PATH, load_kernels
+
+    loaded = load_kernels()
+    if loaded.module is None:
+        pytest.exit(f"SHOAL_NATIVE=required, but {loaded.reason}", returncode=1)
+    if not SHIM_PATH.is_file():
+        pytest.exit(f"SHOAL_NATIVE=required, but the BLAS shim {SHIM_PATH} was not built", returncode=1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
