@@ -41,8 +41,8 @@ from mlx_lm import load, stream_generate
 from bench.common import PROMPT, builtin_model, random_380mb, timed
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import HOP_TIMEOUT, HopError
-from node.pipeline.shard import even_split, load_shard
-from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
+from node.pipeline.shard import load_shard
+from tests.stage_process import StageProcess, even_split, spawn_stage, wait_ready
 
 
 @dataclass

@@ -25,10 +25,10 @@ from mlx_lm import load, stream_generate
 
 from node.pipeline.driver import PipelineGenerator
 from node.pipeline.hop import HopError
-from node.pipeline.shard import even_split, load_shard, request_sampler
-from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
+from node.pipeline.shard import load_shard, request_sampler
 from protocol.sampling import GREEDY, Sampling
 from tests.model_factory import make_random_model
+from tests.stage_process import StageProcess, even_split, spawn_stage, wait_ready
 from tests.waiting import wait_until
 
 QUESTION = "What is the capital of France?"
@@ -311,7 +311,7 @@ def test_a_stage_ends_with_the_node_that_started_it(six_layers: Path, tie: str) 
     portable parent watcher (what macOS gets), here exercised alone through a shell parent."""
     stage = f"-m node.pipeline.stage --model-path {six_layers} --start 3 --listen 127.0.0.1:0"
     if tie == "kernel":
-        code = "import time; from node.pipeline.stage import spawn_stage; "
+        code = "import time; from tests.stage_process import spawn_stage; "
         code += f"spawn_stage({str(six_layers)!r}, start=3, die_with_parent=True); time.sleep(600)"
         parent = subprocess.Popen([sys.executable, "-c", code])
     else:

@@ -15,9 +15,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from node.files import HashCache, folder_manifest
-from node.pipeline.shard import Shard, ShardError, ShardSpec, even_split, load_shard
+from node.pipeline.shard import Shard, ShardError, ShardSpec, load_shard
 from protocol.manifest import INDEX_FILE, stage_paths
 from tests.model_factory import make_random_model, sharded_copy
+from tests.stage_process import even_split
 
 
 @pytest.mark.parametrize(

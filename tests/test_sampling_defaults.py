@@ -25,13 +25,13 @@ import trio
 from node.model_sampling import ModelSampling
 from node.models.gguf_sampling import gguf_generation_config
 from node.pipeline.shard import request_sampler
-from node.pipeline.stage import StageProcess
 from node.runner.generation_config import read_sampling_defaults
 from node.runner.supervisor import RunnerSupervisor
 from protocol.chat import SamplingParams
 from protocol.manifest import FileEntry, Manifest
 from protocol.sampling import SERVER_DEFAULTS, Sampling, SamplingDefaults, model_defaults, resolve_sampling
 from tests.nodes import RunningNode
+from tests.stage_process import StageProcess
 from tests.test_seeded_sampling import answer, request, second_stage_of, spec
 
 pytestmark = pytest.mark.timeout(300)

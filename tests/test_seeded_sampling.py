@@ -22,12 +22,12 @@ import trio
 
 from node.cpu.fastpath import runner_environment
 from node.pipeline.shard import Sampler, request_sampler
-from node.pipeline.stage import StageProcess, spawn_stage, wait_ready
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import ChatMessage, GenerateRequest, SamplingParams
 from protocol.events import ChunkEvent, Finish, TextDelta
 from protocol.ids import ModelId, RequestId
 from protocol.sampling import Sampling
+from tests.stage_process import StageProcess, spawn_stage, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -83,19 +83,6 @@ class ShardSpec:
         return self.end == self.num_layers
 
 
-def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges of near-equal size, earlier stages taking the remainder."""
-    if not 1 <= stages <= num_layers:
-        raise ShardError(f"cannot split {num_layers} layers into {stages} stages")
-    base, extra = divmod(num_layers, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
 Sampler = Callable[[mx.array], mx.array]
 
 

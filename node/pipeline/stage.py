@@ -28,19 +28,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from node.children.process import exit_when_orphaned, read_first_frame, spawn, terminate
+from node.children.process import exit_when_orphaned
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import (
     CONNECT_TIMEOUT,
@@ -54,7 +52,7 @@ from node.pipeline.hop import (
     parse_address,
 )
 from node.pipeline.shard import Sampler, Shard, load_shard, request_sampler
-from node.pipeline.stage_wire import READY_MAX_BYTES, StageReady, decode_ready, encode_ready, stage_command
+from node.pipeline.stage_wire import StageReady, encode_ready
 from protocol.sampling import GREEDY, Sampling
 
 log = logging.getLogger("shoal.pipeline")
@@ -235,59 +233,6 @@ def _since_us(started: float) -> int:
     """Microseconds of work since `started`, reported along the ring so the driver can tell the
     stages' own time from the hops' (see `RingStats`)."""
     return int((time.perf_counter() - started) * 1e6)
-
-
-@dataclass
-class StageProcess:
-    """A stage running as its own OS process, for callers without trio (tests, benchmarks); the
-    node runs its stages with `node.children.supervisor` instead (`node.hosted_stages`)."""
-
-    process: subprocess.Popen[bytes]
-    address: tuple[str, int]
-    start: int
-    end: int
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
-        terminate(self.process, timeout)
-
-
-def spawn_stage(
-    model_path: Path | str,
-    *,
-    start: int,
-    end: int | None = None,
-    hop_timeout: float = HOP_TIMEOUT,
-    env: Mapping[str, str] | None = None,
-    die_with_parent: bool = False,
-) -> StageProcess:
-    """Start a stage process on 127.0.0.1, any free port; returns at once (call `wait_ready` next).
-
-    Starting several stages and then waiting for all loads them in parallel. `die_with_parent`
-    ends the stage when this process dies, even by SIGKILL: at once on Linux, within
-    `node.children.process.PARENT_POLL` elsewhere.
-    """
-    parent_pid = os.getpid() if die_with_parent else None
-    command = stage_command(model_path, start=start, end=end, hop_timeout=hop_timeout, parent_pid=parent_pid)
-    process = spawn(command, env=env, stdin=False, die_with_parent=die_with_parent)
-    return StageProcess(process, ("127.0.0.1", 0), start, -1 if end is None else end)
-
-
-def wait_ready(stage: StageProcess, *, timeout: float = 120.0) -> StageProcess:
-    """Read the stage's ready frame; RuntimeError if it exits or stays silent for `timeout` s."""
-    assert stage.process.stdout is not None
-    try:
-        frame = read_first_frame(stage.process.stdout, max_bytes=READY_MAX_BYTES, timeout=timeout)
-    except TimeoutError:
-        stage.stop()
-        raise RuntimeError(f"stage [{stage.start}, ...) was not ready within {timeout:.0f}s") from None
-    if frame is None:
-        stage.process.wait()
-        raise RuntimeError(f"stage [{stage.start}, ...) exited with {stage.process.returncode}")
-    ready = decode_ready(bytes(frame))
-    stage.address, stage.end = (stage.address[0], ready.port), ready.end
-    stage.process.stdout.close()
-    return stage
 
 
 def main(argv: list[str] | None = None) -> int:
