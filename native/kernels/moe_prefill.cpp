@@ -72,8 +72,8 @@ void gate_up_on_gemm(const Kernels& k, const BoundExperts& gate, const BoundExpe
 // Groups of up to kMaxRows rows on the `rows` kernel, as at decode (a panel packed for a few rows
 // costs more than reading the weights as stored): gate and up of all of them as one pool job, then
 // the activation; with `down`, their down products instead (of h) as another.
-void small_on_rows(const BoundExperts& gate, const BoundExperts& up, const BoundExperts& down, Activation act,
-                   float alpha, float limit, int D, int I, bool down_step, Scratch& s) {
+void small_on_rows(const Kernels& kern, const BoundExperts& gate, const BoundExperts& up, const BoundExperts& down,
+                   Activation act, float alpha, float limit, int D, int I, bool down_step, Scratch& s) {
   const size_t G = s.small.size();
   if (G == 0) return;
   if (s.small_x.size() < G) s.small_x.resize(G), s.small_h.resize(G);
@@ -84,12 +84,12 @@ void small_on_rows(const BoundExperts& gate, const BoundExperts& up, const Bound
     const int n = g.end - g.begin;
     if (down_step) {
       s.small_w[i] = down.experts.at(g.e);
-      s.small_acts[i] = s.small_h[i].prepare(s.small_w[i], &s.h[static_cast<size_t>(g.begin) * I], n, &expert_kernels());
+      s.small_acts[i] = s.small_h[i].prepare(s.small_w[i], &s.h[static_cast<size_t>(g.begin) * I], n, &kern);
       s.rows_jobs.push_back({&s.small_w[i], &s.small_acts[i], &s.d[static_cast<size_t>(g.begin) * D]});
       continue;
     }
     s.small_w[2 * i] = gate.experts.at(g.e), s.small_w[2 * i + 1] = up.experts.at(g.e);
-    s.small_acts[i] = s.small_x[i].prepare(s.small_w[2 * i], &s.x[static_cast<size_t>(g.begin) * D], n, &expert_kernels());
+    s.small_acts[i] = s.small_x[i].prepare(s.small_w[2 * i], &s.x[static_cast<size_t>(g.begin) * D], n, &kern);
     s.rows_jobs.push_back({&s.small_w[2 * i], &s.small_acts[i], &s.g[static_cast<size_t>(g.begin) * I]});
     s.rows_jobs.push_back({&s.small_w[2 * i + 1], &s.small_acts[i], &s.u[static_cast<size_t>(g.begin) * I]});
   }
@@ -152,11 +152,11 @@ void moe_prefill(const BoundExperts& gate, const BoundExperts& up, const BoundEx
     s.src.resize(rows);  // every row is prepared for `gemm` (a small group's rows unused: a few)
     for (int r = 0; r < rows; r++) s.src[r] = x + static_cast<long>(s.order[r] / k) * D;
     s.xa.prepare(kern, gate.experts.first, s.src.data(), rows);
-    small_on_rows(gate, up, down, act, alpha, limit, D, I, false, s);
+    small_on_rows(kern, gate, up, down, act, alpha, limit, D, I, false, s);
     gate_up_on_gemm(kern, gate, up, act, alpha, limit, I, s);
     for (int r = 0; r < rows; r++) s.src[r] = &s.h[static_cast<size_t>(r) * I];
     s.ha.prepare(kern, down.experts.first, s.src.data(), rows);
-    small_on_rows(gate, up, down, act, alpha, limit, D, I, true, s);
+    small_on_rows(kern, gate, up, down, act, alpha, limit, D, I, true, s);
     bind_jobs(s.large, down.experts, s.ha, s.d.data(), D, s.down_jobs);
     run_gemms(kern, s.down_jobs.data(), s.down_jobs.size());
   } else {

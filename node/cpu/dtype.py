@@ -181,17 +181,14 @@ def rounds_to_int8(model: nn.Module | None) -> bool:
     prefill chunk and a decode step then differ by more than their float sums' last bits (a
     rounding can tip), enough to turn a near-tie, so a failover replays step by step (`Admitted`).
     A pipeline's first stage answers for its instance: a MoE model has experts in every stage."""
-    module = load_kernels().module if kernels_enabled() and model is not None else None
-    if module is None or model is None:
+    if model is None or not kernels_enabled() or (module := load_kernels().module) is None:
         return False
-    experts = module.expert_int8_activations() and any(
-        isinstance(m, KernelSwitchLinear) for _, m in model.named_modules()
+    experts, others = module.expert_int8_activations(), module.int8_activations()
+    dense = (KernelQuantizedLinear, KernelQuantizedEmbedding)
+    return any(
+        (experts and isinstance(m, KernelSwitchLinear)) or (others and isinstance(m, dense) and m.bits < 16)
+        for _, m in model.named_modules()
     )
-    quantized = (KernelQuantizedLinear, KernelQuantizedEmbedding)
-    others = module.int8_activations() and any(
-        isinstance(m, quantized) and m.bits < 16 for _, m in model.named_modules()
-    )
-    return bool(experts or others)
 
 
 def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
