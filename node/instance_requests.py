@@ -57,6 +57,11 @@ ENSURE_ATTEMPTS = 600
 """`ensure` asks at most this many times, about once a second (or at each cluster change): about
 10 minutes of a cluster without a leader."""
 
+LONE_ASK_WAIT_S = 10.0
+"""How long `shoal run --model NAME` (a name only the cluster may hold) waits for a first peer
+before asking a cluster of itself alone: a node started with `--peer` on a loaded machine may see
+its first gossip after its 3 s startup grace."""
+
 
 class AskingCluster(ClusterReader, Protocol):
     """What an asking node reads of the cluster (`node.cluster.ClusterService`)."""
@@ -199,15 +204,24 @@ class InstanceRequests:
         when neither this node nor any other has it, or it cannot be read."""
         try:
             if not await self._resolves_here(source):
-                for _wait in range(ENSURE_ATTEMPTS):
-                    if self.cluster.decision.leader is not None:
-                        break
-                    with trio.move_on_after(1.0):
-                        await self.cluster.wait_changed()
+                await self._until_formed()
                 return (await self._read_model(source, preview=False, asked=True))[0]
             return await self.shapes.get(source)
         except (ValueError, OSError) as exc:
             raise ModelResolveError(f"cannot serve {source!r}: {exc}") from exc
+
+    async def _until_formed(self) -> None:
+        """Until the cluster can be asked: a leader, and a peer alive, or `LONE_ASK_WAIT_S` passed
+        (a node alone). A node whose first gossip comes late elects itself after the startup grace
+        and, asking at once, would ask nobody and stop."""
+        lone_from = trio.current_time() + LONE_ASK_WAIT_S
+        for _wait in range(ENSURE_ATTEMPTS):
+            if self.cluster.decision.leader is not None and (
+                self.cluster.view.alive() or trio.current_time() >= lone_from
+            ):
+                return
+            with trio.move_on_after(1.0):
+                await self.cluster.wait_changed()
 
     async def ensure(self, source: str, replicas: int = 1) -> None:
         """For `shoal run --model X --replicas N`: once there is a leader, make sure X has N instances.

@@ -290,7 +290,10 @@ def _run_by_name(trio: Trio, instance: dict[str, Any], tmp_path: Path) -> None:
         def placed() -> dict[str, Any]:
             return next((i for i in _view(trio.a)["instances"] if i["model"] == instance["model"]), {})
 
-        again = wait_until(placed, 60, "the model placed by the fourth node's --model")
+        try:
+            again = wait_until(placed, 60, "the model placed by the fourth node's --model")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the fourth node's log:\n" + "".join(d.log[-40:])) from None
         assert again["manifest_id"] == instance["manifest_id"] and d.process.poll() is None
         _delete(trio, again)
     finally:

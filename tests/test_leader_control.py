@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
 from node.cluster_files import Described
-from node.instance_requests import InstanceRequests
+from node.instance_requests import LONE_ASK_WAIT_S, InstanceRequests
 from node.leader_control import LeaderControl
+from node.model_finder import ModelFinder
 from node.model_shapes import ShapeCache
+from node.models import ModelResolveError
 from node.net.mesh import RequestError
 from protocol.cluster import ClusterState, NotLeaderError
 from protocol.cluster_records import Holding, InstanceRecord, NodeHoldings, StageAssignment
@@ -21,6 +25,7 @@ from protocol.control_wire import (
     DeleteInstance,
     Exists,
     Invalid,
+    ModelDescribed,
     NotFound,
     Placed,
     PlaceInstance,
@@ -321,5 +326,59 @@ def test_ensure_places_the_model_once_there_is_a_leader() -> None:
             await requests.ensure("tiny")
             await requests.ensure("tiny")  # already served: nothing more
         assert [r.model for r in cluster.state.instances().values()] == ["tiny"]
+
+    run(main)
+
+
+class HeldNowhere(Files):
+    """A node that serves no model whole (`ClusterFiles.named`)."""
+
+    def named(self, name: str) -> None:
+        return None
+
+
+class DisklessFinder(ModelFinder):
+    """Resolves nothing here without a worker thread (MockClock's autojump would pass its wait)."""
+
+    async def resolves_here(self, source: str) -> bool:
+        return False
+
+
+async def _never(*args: object) -> ModelShape:
+    raise AssertionError("this node resolves no shape of its own here")
+
+
+@pytest.mark.parametrize("peer_after", [4.0, None], ids=["a-peer-joins", "alone"])
+def test_a_name_only_the_cluster_holds_is_asked_once_a_peer_is_alive(
+    tmp_path: Path, peer_after: float | None
+) -> None:
+    """`shoal run --model held-elsewhere` on a node that elected itself before its first gossip came
+    (a slow start): it asks once a peer is alive, not its empty cluster; alone, after the wait."""
+    shape = replace(SHAPE, model=ModelId("held-elsewhere"))
+    answer = ModelDescribed(model="held-elsewhere", shape=shape, manifest=MANIFEST)
+
+    async def main() -> None:
+        cluster = FakeCluster({ME: 8 * GIB})
+        files = HeldNowhere()
+        mesh = FakeMesh(lambda payload: encode_control(answer))
+        finder = DisklessFinder(cluster, mesh, files, _never, _never, tmp_path)
+        shapes = ShapeCache(Reader())
+        requests = InstanceRequests(cluster, mesh, LeaderControl(cluster), shapes, files, finder)
+
+        async def joins(after: float) -> None:
+            await trio.sleep(after)
+            cluster.view = View({OTHER: MemberState(OTHER, Status.ALIVE, 0, 0, trio.current_time())})
+
+        with trio.fail_after(LONE_ASK_WAIT_S + 5):
+            async with trio.open_nursery() as nursery:
+                if peer_after is not None:
+                    nursery.start_soon(joins, peer_after)
+                    await requests.ensure("held-elsewhere")
+                    assert set(mesh.asked) == {OTHER} and trio.current_time() < peer_after + 2
+                    assert [r.model for r in cluster.state.instances().values()] == ["held-elsewhere"]
+                    return
+                with pytest.raises(ModelResolveError, match="nor does any node of the cluster hold"):
+                    await requests.ensure("held-elsewhere")
+                assert mesh.asked == [] and trio.current_time() >= LONE_ASK_WAIT_S
 
     run(main)

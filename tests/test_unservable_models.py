@@ -19,7 +19,8 @@ from tests.nodes import RunningNode, spawn_node, start_node
 from tests.test_gguf_import import Q, TinyModel, write_tiny_gguf
 
 EXIT_BOUND_S = 60
-"""A refused model stops the node within this (measured: 1.5-2 s on this 2-core machine)."""
+"""A refused model stops the node within this (measured: 1.5-2 s on this 2-core machine; a name
+only the cluster may hold, on a node alone: after `node.instance_requests.LONE_ASK_WAIT_S`)."""
 FP16_NAN = bytes.fromhex("007e")
 
 
