@@ -4,7 +4,9 @@ Same model, same prompt, greedy. Stages after the first are separate processes o
 first (the driver) runs here. On one machine the stages share its cores and run one after another
 for each token, so a pipeline cannot be faster than one process: the ratio to one process measures
 what splitting costs. "vs 1 stage" compares with the same driver running the whole model here
-(no detokenizing, which `stream_generate` does per token). "ms/hop/token" is measured directly
+(no detokenizing, which `stream_generate` does per token). "2 stages, sealed" is the 2-stage ring
+with every frame sealed, as a cluster with a secret runs it: its ratio to "2 stages" (the same ring
+in the clear) is what the sealing costs. "ms/hop/token" is measured directly
 (`RingStats`): the time a decode step spends going round the ring minus the time the stages
 report working, per hop.
 
@@ -41,8 +43,12 @@ from mlx_lm import load, stream_generate
 from bench.common import PROMPT, builtin_model, random_380mb, timed
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import HOP_TIMEOUT, HopError
+from node.pipeline.link_auth import LINK_ENV, OPEN, LinkSecurity
 from node.pipeline.shard import load_shard
 from tests.stage_process import StageProcess, even_split, spawn_stage, wait_ready
+
+SEALED = LinkSecurity.for_instance(bytes(32), "bench", sealed=True)
+"""Links as with a cluster secret: every frame sealed (AES-GCM), beside the same ring in the clear."""
 
 
 @dataclass
@@ -54,17 +60,22 @@ class Result:
 
 
 @contextmanager
-def pipeline(model_dir: Path, stages: int) -> Iterator[tuple[PipelineGenerator, list[StageProcess]]]:
+def pipeline(
+    model_dir: Path, stages: int, security: LinkSecurity = OPEN
+) -> Iterator[tuple[PipelineGenerator, list[StageProcess]]]:
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     ranges = even_split(num_layers, stages)
+    env = {**os.environ, LINK_ENV: security.encode()}
     with ExitStack() as stack:
-        processes = [spawn_stage(model_dir, start=a, end=b) for a, b in ranges[1:]]
+        processes = [spawn_stage(model_dir, start=a, end=b, env=env) for a, b in ranges[1:]]
         for process in processes:
             stack.callback(process.stop)
         for process in processes:
             wait_ready(process)
         driver = PipelineGenerator(
-            load_shard(model_dir, start=0, end=ranges[0][1]), stages=[p.address for p in processes]
+            load_shard(model_dir, start=0, end=ranges[0][1]),
+            stages=[p.address for p in processes],
+            security=security,
         )
         stack.callback(driver.close)
         driver.connect()
@@ -95,9 +106,9 @@ def measure(model_dir: Path, tokens: int, repeats: int) -> dict[str, Result]:
     decode: dict[str, list[float]] = {}
     hop: dict[str, list[float]] = {}
     with ExitStack() as stack:
-        for stages in (1, 2, 3):
-            name = f"{stages} stage{'s' if stages > 1 else ''}"
-            drivers[name] = stack.enter_context(pipeline(model_dir, stages))[0]
+        for stages, security in ((1, OPEN), (2, OPEN), (2, SEALED), (3, OPEN)):
+            name = f"{stages} stage{'s' if stages > 1 else ''}{', sealed' if security.sealed else ''}"
+            drivers[name] = stack.enter_context(pipeline(model_dir, stages, security))[0]
             paths[name] = functools.partial(_pipeline_run, drivers[name], set(tokenizer.eos_token_ids))
         reference = timed(plain(short, tokens))[1]
         for i in range(repeats + 1):  # the first round warms everything up

@@ -15,7 +15,7 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import trio
@@ -85,8 +85,11 @@ class HostedInstances:
         *,
         runner: Callable[[RunnerSpec], RunnerSupervisor] = RunnerSupervisor,
         rand: Callable[[], float] = random.random,
+        stage_links: Callable[[InstanceId], str] = lambda _instance: "",
     ) -> None:
         self.me = me
+        self._stage_links = stage_links
+        """The key of an instance's stage links, for its runner and stage processes."""
         self._mesh = mesh
         self._runner_spec = runner_spec
         self._folder_for = folder
@@ -163,6 +166,7 @@ class HostedInstances:
                 record.model,
             )
             host = reachable_host(self._mesh.addrs())
+            spec = replace(spec, stage_link=self._stage_links(record.instance_id))
             if mine is record.stages[0]:
                 route = StageRoute(self._mesh, record)
                 publish = functools.partial(self._publish, hosted)

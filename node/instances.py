@@ -48,7 +48,7 @@ from protocol.control_wire import (
     decode_control,
     encode_control,
 )
-from protocol.ids import ModelId, NodeId
+from protocol.ids import InstanceId, ModelId, NodeId
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -68,6 +68,8 @@ class InstanceOptions:
     then counts those at their stored size)."""
     runner_spec: Callable[[ModelId, Path], RunnerSpec]
     """How this node runs a model it was given: the runner settings of `shoal run`'s flags."""
+    stage_links: Callable[[InstanceId], str] = lambda _instance: ""
+    """The key of an instance's stage links (`node.pipeline.link_auth`), from the cluster key."""
 
 
 class InstanceManager:
@@ -90,7 +92,12 @@ class InstanceManager:
         self.loads = ReplicaLoads(cluster, self.records, self.local_runner)
         """Replica choice: the requests open to each entry, and what this node reports of its own."""
         self.hosted = HostedInstances(
-            cluster.me, mesh, options.runner_spec, files.folder_for, runner=self.loads.runner
+            cluster.me,
+            mesh,
+            options.runner_spec,
+            files.folder_for,
+            runner=self.loads.runner,
+            stage_links=options.stage_links,
         )
         cluster.report_load(self.loads.own_load)
 

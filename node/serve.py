@@ -25,6 +25,7 @@ from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, 
 from node.native import load_kernels
 from node.net.auth import derive_key
 from node.net.mesh import Mesh
+from node.pipeline.link_auth import stage_links
 from node.profile import detect_accelerator, read_profile
 from node.routing import RemoteGenerations, serve_generations
 from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile
@@ -116,6 +117,7 @@ async def run_node(config: NodeConfig) -> None:
         runtime_dtype_bytes=4 if accelerator == "cpu" else None,
         kernels=accelerator == "cpu" and config.runner.fast_path and load_kernels().module is not None,
         runner_spec=runner_spec,
+        stage_links=stage_links(derive_key(config.mesh.cluster, config.mesh.secret), config.mesh.secret),
     )
     instances = InstanceManager(cluster, mesh, options, files)
     backend = NodeBackend(

@@ -9,7 +9,7 @@ arguments, so each setting is written once (`RunnerSettings`), not once per side
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -63,6 +63,9 @@ class RunnerSpec(RunnerSettings):
     """The harmony vocab's folder (GPT-OSS models); None when the node has none."""
     pipeline: PipelineRoute | None = None
     """Pipeline mode: the runner holds layers [0, k) and drives the others (`node.runner.pipeline_mode`)."""
+    stage_link: str = field(default="", repr=False)
+    """The instance's stage link key (`node.pipeline.link_auth.LinkSecurity.encode`), which the node
+    puts in the environment of this runner and of its stage processes; "": stages started by hand."""
     ready_timeout_s: float = 300.0
     """How long a request waits for a (re)starting runner before it fails (the node's side only)."""
     exit_grace_s: float = 2.0

@@ -39,6 +39,7 @@ import mlx.core as mx
 
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.hop import CONNECT_TIMEOUT, HOP_TIMEOUT, HopError
+from node.pipeline.link_auth import OPEN, LinkSecurity
 from node.pipeline.ring import Cancelled, Ring
 from node.pipeline.shard import Shard, forcing, request_sampler
 from protocol.sampling import GREEDY, Sampling
@@ -82,7 +83,8 @@ class PipelineGenerator:
     `shard` holds layers [0, k) and the embedding. With k equal to the model's layer count it runs
     everything in this process (a 1-stage pipeline) and needs no network. Otherwise `stages` are
     the addresses of the other stages in layer order: it dials the first, sends the route through
-    the rest, and waits for the last to connect back to `listen_address`.
+    the rest, and waits for the last to connect back to `listen_address`, every link proving
+    `security`'s key.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class PipelineGenerator:
         port: int = 0,
         hop_timeout: float = HOP_TIMEOUT,
         connect_timeout: float = CONNECT_TIMEOUT,
+        security: LinkSecurity = OPEN,
     ) -> None:
         if not shard.spec.is_first:
             raise ValueError("the driver must hold the first layers and the embedding")
@@ -111,6 +114,7 @@ class PipelineGenerator:
                 port=port,
                 hop_timeout=hop_timeout,
                 connect_timeout=connect_timeout,
+                security=security,
             )
         )
         self.listen_address: tuple[str, int] | None = (

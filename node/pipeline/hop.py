@@ -13,8 +13,10 @@ an `InLink` treats `timeout` seconds without any frame as a dead or frozen neigh
 in a long MLX computation still heartbeats (MLX releases the GIL), so the timeout measures silence,
 never work. Every failure surfaces as `HopError`; nothing here blocks without a bound.
 
-What a frame holds is `frames.py`, how its bytes are delimited `protocol.framing`, both pure; the
-link classes here are the short I/O shell around them.
+Who may connect is `link_auth` (a handshake before any frame; `gate` runs it for a listener), and
+a link given its `FrameCipher` seals or opens every frame. What a frame holds is `frames.py`, how
+its bytes are delimited `protocol.framing`, both pure; the link classes here are the short I/O
+shell around them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from node.pipeline.frames import (
     decode_frame,
     encode_frame,
 )
-from protocol.framing import FrameDecoder, FrameError
+from node.pipeline.link_auth import TAG_BYTES, FrameCipher, LinkAuthError, LinkSecurity, dialer_handshake
+from protocol.framing import PREFIX, FrameDecoder, FrameError, prefix
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -55,7 +58,7 @@ class HopError(Exception):
     """The link to a neighbouring stage failed: closed, reset, silent too long or sent garbage."""
 
 
-def _nodelay(sock: socket.socket) -> socket.socket:
+def nodelay(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
@@ -67,19 +70,6 @@ def listen(host: str, port: int) -> socket.socket:
     listener.bind((host, port))
     listener.listen(8)
     return listener
-
-
-def accept(listener: socket.socket, *, timeout: float) -> socket.socket:
-    """The next incoming connection within `timeout` seconds, else `HopError`."""
-    listener.settimeout(timeout)
-    try:
-        sock, _ = listener.accept()
-    except TimeoutError as exc:
-        raise HopError(f"no stage connected within {timeout:.1f}s") from exc
-    except OSError as exc:
-        raise HopError(f"accept failed: {exc}") from exc
-    sock.settimeout(None)
-    return _nodelay(sock)
 
 
 def dial(address: tuple[str, int], *, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
@@ -97,7 +87,20 @@ def dial(address: tuple[str, int], *, timeout: float = CONNECT_TIMEOUT) -> socke
             delay = min(delay * 2, 0.5)
             continue
         sock.settimeout(None)
-        return _nodelay(sock)
+        return nodelay(sock)
+
+
+def dial_member(
+    address: tuple[str, int], security: LinkSecurity, boundary: int, *, timeout: float = CONNECT_TIMEOUT
+) -> tuple[socket.socket, FrameCipher | None]:
+    """`dial`, then prove the instance's key and check the answer (`link_auth`): the socket and the
+    cipher that seals what we send; `HopError` when the address is no member of the instance."""
+    sock = dial(address, timeout=timeout)
+    try:
+        return sock, dialer_handshake(sock, security, boundary)
+    except LinkAuthError as exc:
+        sock.close()
+        raise HopError(f"{address[0]}:{address[1]}: {exc}") from exc
 
 
 def _detached(error: HopError) -> HopError:
@@ -121,7 +124,8 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 class OutLink:
-    """The sending end of a hop: `send` frames; heartbeats and peer-close detection run behind it.
+    """The sending end of a hop: `send` frames (sealed by `cipher` if given); heartbeats and
+    peer-close detection run behind it.
 
     Thread-safe. After the first failure every `send` raises `HopError`, and `on_broken` is called
     once with the error (from whichever thread saw it) so the owner can stop waiting elsewhere.
@@ -132,12 +136,14 @@ class OutLink:
         sock: socket.socket,
         *,
         name: str,
+        cipher: FrameCipher | None = None,
         send_timeout: float = HOP_TIMEOUT,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         on_broken: Callable[[HopError], None] | None = None,
     ) -> None:
         self.name = name
         self._sock = sock
+        self._cipher = cipher
         self._sock.settimeout(send_timeout)  # bounds a send into a peer that stopped reading
         self._interval = heartbeat_interval
         self._on_broken = on_broken
@@ -157,6 +163,9 @@ class OutLink:
         with self._lock:
             if self._error is not None:
                 raise _detached(self._error)
+            if self._cipher is not None:  # sealed in send order: the counter is the nonce
+                sealed = self._cipher.seal(b"".join(buffers)[PREFIX.size :])
+                buffers = [prefix(len(sealed), MAX_FRAME_BYTES + TAG_BYTES), sealed]
             try:
                 for buffer in buffers:
                     self._send_all(memoryview(buffer).cast("B"))
@@ -206,20 +215,29 @@ class OutLink:
 
 
 class InLink:
-    """The receiving end of a hop: a reader thread turns bytes into frames, `recv` hands them out.
+    """The receiving end of a hop: a reader thread turns bytes into frames (opened by `cipher` if
+    given), `recv` hands them out.
 
     Silence longer than `timeout` (no data, no heartbeat), a closed or reset connection, or a bad
     frame all become a `HopError` that `recv` raises from then on. `fail` injects an error from
     elsewhere (e.g. the owner's OutLink broke) so that a waiting `recv` returns at once.
     """
 
-    def __init__(self, sock: socket.socket, *, name: str, timeout: float = HOP_TIMEOUT) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        name: str,
+        cipher: FrameCipher | None = None,
+        timeout: float = HOP_TIMEOUT,
+    ) -> None:
         self.name = name
         self._sock = sock
+        self._cipher = cipher
         self._timeout = timeout
         # Raw frame bodies: they are decoded by `recv`, on the caller's thread, because MLX
         # streams are per thread (an array made lazily here could not be evaluated there).
-        self._queue: queue.SimpleQueue[bytearray | HopError] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | bytearray | HopError] = queue.SimpleQueue()
         self._error: HopError | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._read, name=f"hop-in-{name}", daemon=True)
@@ -254,20 +272,22 @@ class InLink:
 
     def _read(self) -> None:
         self._sock.settimeout(self._timeout)
-        decoder = FrameDecoder(MAX_FRAME_BYTES)
+        cipher = self._cipher
+        decoder = FrameDecoder(MAX_FRAME_BYTES + (TAG_BYTES if cipher is not None else 0))
         try:
             while True:
-                # Straight into the frame's own buffer: a prefill chunk is copied by nobody.
+                # Straight into the frame's own buffer: a clear prefill chunk is copied by nobody.
                 count = self._sock.recv_into(decoder.writable())
                 if count == 0:
                     raise HopError(f"{self.name} closed the link")
                 body = decoder.advance(count)
                 if body is None:
                     continue
-                if len(body) < HEADER_BYTES:
-                    raise FrameError(f"a {len(body)}-byte frame, shorter than a header")
-                if body[KIND_OFFSET] != Kind.HEARTBEAT:
-                    self._queue.put(body)
+                plain = body if cipher is None else cipher.open(body)
+                if len(plain) < HEADER_BYTES:
+                    raise FrameError(f"a {len(plain)}-byte frame, shorter than a header")
+                if plain[KIND_OFFSET] != Kind.HEARTBEAT:
+                    self._queue.put(plain)
         except FrameError as exc:
             self._queue.put(HopError(f"{self.name} broke the framing: {exc}"))
         except HopError as exc:

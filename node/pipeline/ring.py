@@ -1,8 +1,9 @@
 """The driver's side of the ring: its two links and the bookkeeping of requests on them.
 
 The driver dials stage 1 (an `OutLink`) and sends it HELLO with the route through the other
-stages; the last stage dials back (an `InLink` accepted here) with a HELLO saying where the ring
-ends, which must be the model's last layer. Frames of an earlier request still in flight are
+stages; the last stage dials back (an `InLink` admitted here by the `Gate`) with a HELLO saying
+where the ring ends, which must be the model's last layer. Both links prove the instance's key
+first (`link_auth`). Frames of an earlier request still in flight are
 dropped on receipt, and a request's RESET/CANCEL echo is read before the next request starts, so
 each request sees a clean ring. Any link failure is a `HopError`; after one the links are closed
 (every stage then drops its caches) and the next `connect` forms a new ring.
@@ -16,7 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import overload
 
 from node.pipeline.frames import Frame, Kind
-from node.pipeline.hop import HopError, InLink, OutLink, accept, dial, listen
+from node.pipeline.gate import Gate
+from node.pipeline.hop import HopError, InLink, OutLink, dial_member, listen
+from node.pipeline.link_auth import OPEN, LinkSecurity
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -41,14 +44,17 @@ class Ring:
         port: int,
         hop_timeout: float,
         connect_timeout: float,
+        security: LinkSecurity = OPEN,
     ) -> None:
         self._stages = [(str(h), int(p)) for h, p in stages]
+        self._security = security
         self._end_layer, self._num_layers = end_layer, num_layers
         self._hop_timeout = hop_timeout
         self._connect_timeout = connect_timeout
         self._listener = listen(host, port)
         self.listen_address: tuple[str, int] = self._listener.getsockname()[:2]
         """Where the last stage connects back to."""
+        self._gate = Gate(self._listener, security, boundary=num_layers, name="driver")
         self._out: OutLink | None = None
         self._in: InLink | None = None
         self._unechoed: int | None = None
@@ -59,9 +65,13 @@ class Ring:
             return
         try:
             self._in = None
+            sock, cipher = dial_member(
+                self._stages[0], self._security, self._end_layer, timeout=self._connect_timeout
+            )
             self._out = OutLink(
-                dial(self._stages[0], timeout=self._connect_timeout),
+                sock,
                 name="stage 1",
+                cipher=cipher,
                 send_timeout=self._hop_timeout,
                 on_broken=self._broken,
             )
@@ -77,11 +87,11 @@ class Ring:
 
     def _accept_last_stage(self, deadline: float) -> InLink:
         while True:
-            link = InLink(
-                accept(self._listener, timeout=max(0.1, deadline - time.monotonic())),
-                name="last stage",
-                timeout=self._hop_timeout,
-            )
+            timeout = max(0.1, deadline - time.monotonic())
+            if (admitted := self._gate.admitted(timeout)) is None:
+                raise HopError(f"no stage connected within {timeout:.1f}s")
+            sock, cipher = admitted
+            link = InLink(sock, name="last stage", cipher=cipher, timeout=self._hop_timeout)
             try:
                 hello = link.recv(timeout=self._hop_timeout)
             except HopError:
@@ -106,6 +116,7 @@ class Ring:
 
     def close(self) -> None:
         self.disconnect()
+        self._gate.close()
         self._listener.close()
 
     def _broken(self, error: HopError) -> None:

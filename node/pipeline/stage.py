@@ -5,10 +5,13 @@
 Loads only layers [S, E) (see `shard`), listens, and writes one frame on stdout once it accepts
 connections: `StageReady` (port, start, end, pid), the handshake of `node.children`.
 
-A session starts when the previous stage (or the driver) connects and says HELLO. The driver's
+A session starts when the previous stage (or the driver) connects, proves the instance's key (the
+`Gate` admits it: `link_auth`; a stranger never holds the stage), and says HELLO. The driver's
 HELLO carries the route: the address of every later hop, ending with the driver's own. A stage
-dials the route's first entry (or `--next`, which overrides it), says HELLO with the rest, and so
-on; the last stage's entry is the driver. Only the driver needs to know the topology, so stages
+dials the route's first entry (or `--next`, which overrides it), which must prove the same key
+back before anything is sent to it, says HELLO with the rest, and so on; the last stage's entry is
+the driver. The route is read only from an admitted link: a member's driver wrote it from the
+stage addresses its node asked the mesh for. Only the driver needs to know the topology, so stages
 can start in any order and in parallel, and the driver can pick its port when it starts.
 
 Per request (keyed by the driver's request number) the stage keeps a KV cache for its own layers.
@@ -40,17 +43,18 @@ import mlx.core as mx
 
 from node.children.process import exit_when_orphaned
 from node.pipeline.frames import Frame, Kind
+from node.pipeline.gate import Gate
 from node.pipeline.hop import (
     CONNECT_TIMEOUT,
     HOP_TIMEOUT,
     HopError,
     InLink,
     OutLink,
-    accept,
-    dial,
+    dial_member,
     listen,
     parse_address,
 )
+from node.pipeline.link_auth import OPEN, FrameCipher, LinkSecurity
 from node.pipeline.shard import Sampler, Shard, load_shard, request_sampler
 from node.pipeline.stage_wire import StageReady, encode_ready
 from protocol.sampling import GREEDY, Sampling
@@ -85,7 +89,7 @@ class StageServer:
 
     `next_address`, when given, replaces the route's entry for the next hop (say, another
     interface of that machine); `hop_timeout` bounds every wait on a neighbour, `connect_timeout`
-    the dial of the next one (it may still be loading).
+    the dial of the next one (it may still be loading); `security` is the instance's link key.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class StageServer:
         next_address: tuple[str, int] | None = None,
         hop_timeout: float = HOP_TIMEOUT,
         connect_timeout: float = CONNECT_TIMEOUT,
+        security: LinkSecurity = OPEN,
     ) -> None:
         if shard.spec.is_first:
             raise ValueError("the first stage is the driver (PipelineGenerator), not a StageServer")
@@ -109,6 +114,8 @@ class StageServer:
         self._stop = threading.Event()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._name = f"stage[{shard.spec.start},{shard.spec.end})"
+        self._security = security
+        self._gate = Gate(self._listener, security, boundary=shard.spec.start, name=self._name)
 
     def stop(self) -> None:
         self._stop.set()
@@ -116,22 +123,21 @@ class StageServer:
     def serve_forever(self) -> None:
         try:
             while not self._stop.is_set():
-                try:
-                    upstream = accept(self._listener, timeout=ACCEPT_POLL)
-                except HopError:
+                if (upstream := self._gate.admitted(ACCEPT_POLL)) is None:
                     continue
                 try:
-                    self._session(upstream)
+                    self._session(*upstream)
                 except HopError as exc:
                     log.warning("%s: ring broken: %s", self._name, exc)
                 finally:
                     self._requests.clear()
                     mx.clear_cache()
         finally:
+            self._gate.close()
             self._listener.close()
 
-    def _session(self, sock: Any) -> None:
-        inbound = InLink(sock, name="previous stage", timeout=self._hop_timeout)
+    def _session(self, sock: Any, cipher: FrameCipher | None) -> None:
+        inbound = InLink(sock, name="previous stage", cipher=cipher, timeout=self._hop_timeout)
         outbound: OutLink | None = None
         try:
             hello = inbound.recv(timeout=self._hop_timeout)
@@ -146,9 +152,13 @@ class StageServer:
             if not route:
                 raise HopError("the HELLO carries no route to the next stage")
             target = self._next or parse_address(route[0])
+            downstream, sealer = dial_member(
+                target, self._security, self.shard.spec.end, timeout=self._connect_timeout
+            )
             outbound = OutLink(
-                dial(target, timeout=self._connect_timeout),
+                downstream,
                 name="next stage" if not self.shard.spec.is_last else "driver",
+                cipher=sealer,
                 send_timeout=self._hop_timeout,
                 on_broken=inbound.fail,
             )
@@ -272,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         next_address=parse_address(args.next) if args.next else None,
         hop_timeout=args.hop_timeout,
         connect_timeout=args.connect_timeout,
+        security=LinkSecurity.from_env(),
     )
     ready = StageReady(port=server.address[1], start=shard.spec.start, end=shard.spec.end, pid=os.getpid())
     sys.stdout.buffer.write(encode_ready(ready))

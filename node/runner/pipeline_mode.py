@@ -18,6 +18,7 @@ from mlx_lm.utils import load_tokenizer
 from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import HopError, parse_address
+from node.pipeline.link_auth import LinkSecurity
 from node.pipeline.shard import load_shard
 from node.runner.engine import Admitted, LoadedModel, RequestOutput, admit, loaded_model
 from protocol.chat import GenerateRequest
@@ -40,7 +41,8 @@ def load_pipeline(
             "from hidden states and never sees the tokens it penalizes",
             loaded.sampling.repetition_penalty,
         )
-    driver = PipelineGenerator(shard, stages=[parse_address(s) for s in stages], host=host)
+    stage_addresses = [parse_address(s) for s in stages]
+    driver = PipelineGenerator(shard, stages=stage_addresses, host=host, security=LinkSecurity.from_env())
     return loaded, driver
 
 

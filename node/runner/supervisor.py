@@ -19,6 +19,7 @@ import trio
 
 from node.children.supervisor import Child, ChildFailed, Launch, keep_restarting, running
 from node.cpu.fastpath import runner_environment
+from node.pipeline.link_auth import LINK_ENV
 from protocol.chat import GenerateRequest
 from protocol.events import RUNNER_UNAVAILABLE, ChunkEvent, Finish, GenerationError, is_terminal
 from protocol.ids import RequestId
@@ -50,12 +51,14 @@ RUNNER_COMMAND = (sys.executable, "-m", "node.runner")
 
 
 def child_environment(spec: RunnerSpec) -> dict[str, str]:
-    """A runner's (or stage process's) environment: offline, unbuffered, the harmony vocab, and the
-    BLAS settings of `node.cpu.fastpath`."""
+    """A runner's (or stage process's) environment: offline, unbuffered, the harmony vocab, the
+    BLAS settings of `node.cpu.fastpath`, and the instance's stage link key."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if spec.vocab_dir is not None:
         env["TIKTOKEN_ENCODINGS_BASE"] = str(spec.vocab_dir)
     env.update(runner_environment(env, enabled=spec.fast_path))
+    if spec.stage_link:
+        env[LINK_ENV] = spec.stage_link
     return env
 
 
