@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -12,6 +12,7 @@ from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
+from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView
 from protocol.ids import ModelId, RequestId
 from protocol.sampling import SamplingDefaults
@@ -90,8 +91,8 @@ class Backend(Protocol):
         """The model files each node holds, as this node knows them, for `GET /v1/cluster/models`."""
         ...
 
-    def health(self) -> dict[str, Any]:
-        """A JSON-ready picture of the node's runners for `GET /health`."""
+    def health(self) -> NodeHealth:
+        """The node's runners and counters, for `GET /health`."""
         ...
 
     async def local_models(self) -> Sequence[ModelFileView]:

@@ -13,8 +13,8 @@ from typing import Any, Literal, assert_never
 
 from api import sse
 from api.errors import ApiError, error_type, from_generation_error
-from api.streaming import BROKEN_OFF
 from protocol.events import (
+    UNFINISHED,
     ChunkEvent,
     Finish,
     FinishReason,
@@ -114,7 +114,7 @@ class ChatEncoder:
                 assert_never(event)
 
     def broken_off(self) -> bytes:
-        return self.feed(BROKEN_OFF)
+        return self.feed(UNFINISHED)
 
     def keep_alive(self) -> bytes:
         return sse.KEEP_ALIVE

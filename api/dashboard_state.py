@@ -11,10 +11,9 @@ leader's preview, the same one `GET /v1/instances/preview` asks.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import urllib.request
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -22,6 +21,7 @@ import trio
 from api.backend import Backend
 from protocol.cluster_view import ClusterView, InstanceStatusView, InstanceView
 from protocol.control_wire import Exists, Invalid, NotFound, Placed, PlaceOutcome, Unavailable
+from protocol.health import NodeHealth, RunnerHealth, RunnerState
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ PREVIEW_TIMEOUT_S = 10.0
 MAX_HEALTH_BYTES = 1024 * 1024
 """A `/health` body is a few KB; a peer sending more is not read further."""
 
-_RUNNER_STATES: Mapping[str, InstanceStatusView] = {
+_RUNNER_STATES: Mapping[RunnerState, InstanceStatusView] = {
     "ready": InstanceStatusView(state="ready"),
     "starting": InstanceStatusView(state="loading"),
     "restarting": InstanceStatusView(state="loading", error="the runner is restarting"),
 }
-Runners = list[dict[str, Any]]
+Runners = Sequence[RunnerHealth]
 
 
 def instance_status(instance: InstanceView, runners: Runners | None) -> InstanceStatusView:
@@ -59,23 +59,18 @@ def _runner_status(instance: InstanceView, runners: Runners | None) -> InstanceS
     if runners is None:
         return InstanceStatusView(state="unknown", error="its first node's API does not answer")
     for runner in runners:
-        if runner.get("model") != instance.model:
+        if runner.model != instance.model:
             continue
-        state = str(runner.get("state"))
-        if state == "failed":
-            return InstanceStatusView(state="failed", error=str(runner.get("error") or "the model failed"))
-        return _RUNNER_STATES.get(state, InstanceStatusView(state="unknown", error=f"runner state {state}"))
+        if runner.state == "failed":
+            return InstanceStatusView(state="failed", error=runner.error or "the model failed")
+        return _RUNNER_STATES[runner.state]
     return InstanceStatusView(state="loading")
 
 
 def _get_runners(url: str) -> Runners:
     """Blocking: a peer's `/health` runners."""
     with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as answer:
-        body = json.loads(answer.read(MAX_HEALTH_BYTES))
-    runners = body.get("runners") if isinstance(body, dict) else None
-    if not isinstance(runners, list):
-        raise ValueError("no runners list")
-    return [r for r in runners if isinstance(r, dict)]
+        return NodeHealth.model_validate_json(answer.read(MAX_HEALTH_BYTES)).runners
 
 
 async def fetch_runners(url: str) -> Runners:
@@ -119,7 +114,7 @@ class InstanceStates:
 
     async def _runners(self, node: str, me: str, url: str) -> Runners | None:
         if node == me:
-            return list(self._backend.health().get("runners", []))
+            return self._backend.health().runners
         if not url.startswith(("http://", "https://")):
             return None
         async with self._locks.setdefault(node, trio.Lock()):

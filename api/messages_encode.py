@@ -27,9 +27,9 @@ from typing import Any, Literal, assert_never
 
 from api import sse
 from api.errors import ApiError, from_generation_error
-from api.streaming import BROKEN_OFF
 from api.surface import Surface
 from protocol.events import (
+    UNFINISHED,
     ChunkEvent,
     Finish,
     GenerationError,
@@ -231,7 +231,7 @@ class MessagesEncoder:
                 assert_never(event)
 
     def broken_off(self) -> bytes:
-        return self.feed(BROKEN_OFF)
+        return self.feed(UNFINISHED)
 
     def keep_alive(self) -> bytes:
         return _event("ping", {})
@@ -254,7 +254,7 @@ def _ended(end: Finish | GenerationError | None) -> Finish:
     if isinstance(end, GenerationError):
         raise from_generation_error(end)
     if end is None:
-        raise from_generation_error(BROKEN_OFF)
+        raise from_generation_error(UNFINISHED)
     return end
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,6 +25,7 @@ from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
+from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView
 from protocol.ids import RequestId
 
@@ -156,7 +156,7 @@ class MeteredBackend:
     def cluster_models(self) -> ClusterModelsView:
         return self._backend.cluster_models()
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> NodeHealth:
         return self._backend.health()
 
     async def local_models(self) -> Sequence[ModelFileView]:
@@ -174,11 +174,10 @@ class NodeCollector(Collector):
         queued = GaugeMetricFamily("shoal_queue_depth", "Requests waiting for a batch slot", labels=["model"])
         active = GaugeMetricFamily("shoal_active_requests", "Requests in flight", labels=["model"])
         restarts = CounterMetricFamily("shoal_runner_restarts", "Runner restarts", labels=["model"])
-        for runner in health.get("runners", ()):
-            model = str(runner["model"])
-            queued.add_metric([model], runner["queued_requests"])
-            active.add_metric([model], runner["active_requests"])
-            restarts.add_metric([model], runner["restarts"])
+        for runner in health.runners:
+            queued.add_metric([runner.model], runner.queued_requests)
+            active.add_metric([runner.model], runner.active_requests)
+            restarts.add_metric([runner.model], runner.restarts)
         members = GaugeMetricFamily("shoal_cluster_members", "Cluster members by status", labels=["status"])
         view = self._backend.cluster()
         for status in ("alive", "suspect", "dead", "left", "unknown"):
@@ -186,9 +185,8 @@ class NodeCollector(Collector):
         gossip = CounterMetricFamily(
             "shoal_gossip_bytes_sent", "Cluster-state bytes sent, by kind", labels=["kind"]
         )
-        cluster = health.get("cluster", {})
-        gossip.add_metric(["gossip"], cluster.get("gossip_bytes_out", 0))
-        gossip.add_metric(["anti_entropy"], cluster.get("sync_bytes_out", 0))
+        gossip.add_metric(["gossip"], health.cluster.get("gossip_bytes_out", 0))
+        gossip.add_metric(["anti_entropy"], health.cluster.get("sync_bytes_out", 0))
         leader = GaugeMetricFamily("shoal_is_leader", "1 if this node is the cluster's leader")
         leader.add_metric([], float(view.leader is not None and view.leader == view.self))
         yield from (queued, active, restarts, members, gossip, leader)

@@ -64,4 +64,4 @@ class ModelRoutes:
 
     async def health(self, request: Request) -> Response:
         """The backend's picture of its runners; `status` is "ok" unless the backend says otherwise."""
-        return JSONResponse({"status": "ok", **self._backend.health()})
+        return JSONResponse({"status": "ok", **self._backend.health().model_dump(mode="json")})

@@ -32,9 +32,9 @@ from typing import Any, Literal, assert_never
 
 from api import sse
 from api.errors import ApiError, from_generation_error
-from api.streaming import BROKEN_OFF
 from api.surface import Surface
 from protocol.events import (
+    UNFINISHED,
     ChunkEvent,
     Finish,
     FinishReason,
@@ -247,7 +247,7 @@ class OllamaEncoder(_Answer):
                 assert_never(event)
 
     def broken_off(self) -> bytes:
-        return self.feed(BROKEN_OFF)
+        return self.feed(UNFINISHED)
 
 
 class OllamaCollector(_Answer):
@@ -287,7 +287,7 @@ class OllamaCollector(_Answer):
         if isinstance(end, GenerationError):
             raise from_generation_error(end)
         if end is None:
-            raise from_generation_error(BROKEN_OFF)
+            raise from_generation_error(UNFINISHED)
         content = self._content("".join(self._text), "".join(self._thinking), self._tool_calls)
         return self._end(end, content, self._end_ns)
 

@@ -12,9 +12,8 @@ from typing import Any
 from api import sse
 from api.errors import ApiError, from_generation_error
 from api.responses_output import Json, ResponseAssembler, surface_param
-from api.streaming import BROKEN_OFF
 from api.surface import Surface
-from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
+from protocol.events import UNFINISHED, ChunkEvent, Finish, GenerationError, PrefillProgress
 
 
 def _error_body(error: ApiError) -> Any:
@@ -56,7 +55,7 @@ class ResponsesEncoder:
         return frames
 
     def broken_off(self) -> bytes:
-        return self.feed(BROKEN_OFF)
+        return self.feed(UNFINISHED)
 
     def keep_alive(self) -> bytes:
         return sse.KEEP_ALIVE
@@ -81,4 +80,4 @@ class ResponsesCollector:
 
 def failure(end: ChunkEvent | None) -> ApiError:
     """The HTTP error of a non-streamed answer that did not finish: its error, or a broken-off one."""
-    return from_generation_error(end if isinstance(end, GenerationError) else BROKEN_OFF)
+    return from_generation_error(end if isinstance(end, GenerationError) else UNFINISHED)

@@ -51,10 +51,6 @@ class EventEncoder(Protocol):
         ...
 
 
-BROKEN_OFF = GenerationError(error_kind="server_error", message="the generation ended without finishing")
-"""What an encoder's `broken_off` reports."""
-
-
 async def _pump(backend: Backend, request: GenerateRequest, into: trio.MemorySendChannel[ChunkEvent]) -> None:
     """Run the generation and move its events into a channel, all in this one task.
 

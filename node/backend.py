@@ -37,10 +37,16 @@ from node.runner.supervisor import RunnerSupervisor
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
-from protocol.events import ChunkEvent, GenerationError
+from protocol.events import (
+    MODEL_FILES_UNAVAILABLE,
+    MODEL_LOADING,
+    MODEL_NOT_FOUND,
+    ChunkEvent,
+    GenerationError,
+)
+from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView, node_models
 from protocol.ids import NodeId, RequestId
-from protocol.model_files import FILES_UNAVAILABLE
 
 
 class RemoteStreams(Protocol):
@@ -130,7 +136,7 @@ class NodeBackend:
                 GenerationError(
                     error_kind="invalid_request",
                     message=f"model {request.model!r} is not served by this cluster",
-                    code="model_not_found",
+                    code=MODEL_NOT_FOUND,
                     param="model",
                 )
             )
@@ -150,7 +156,7 @@ class NodeBackend:
             loading = GenerationError(
                 error_kind="server_error",
                 message=f"model {request.model!r} is not running on this node (yet); retry shortly",
-                code="model_loading",
+                code=MODEL_LOADING,
             )
             async with _single_event(runner or loading) as events:
                 yield events
@@ -169,7 +175,7 @@ class NodeBackend:
                 return GenerationError(
                     error_kind="server_error",
                     message=f"model {model!r} cannot run: {why}",
-                    code=FILES_UNAVAILABLE,
+                    code=MODEL_FILES_UNAVAILABLE,
                 )
             await self._instances.wait_hosted_changed()
         return runner
@@ -203,13 +209,13 @@ class NodeBackend:
         found = await trio.to_thread.run_sync(lambda: placeable(list_local_models(data_dir), data_dir))
         return [ModelFileView(name=m.name, model_type=m.model_type, size_bytes=m.size_bytes) for m in found]
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "runners": [runner.health() for runner in self._instances.runners()],
-            "cluster": asdict(self._cluster.stats),
-            "mesh": asdict(self._cluster.mesh.stats),
-            "generations_for_peers": asdict(self.serving.stats) if self.serving else {},
-        }
+    def health(self) -> NodeHealth:
+        return NodeHealth(
+            runners=tuple(runner.health() for runner in self._instances.runners()),
+            cluster=asdict(self._cluster.stats),
+            mesh=asdict(self._cluster.mesh.stats),
+            generations_for_peers=asdict(self.serving.stats) if self.serving else {},
+        )
 
 
 @dataclass(frozen=True)

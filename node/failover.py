@@ -36,14 +36,19 @@ from dataclasses import dataclass, field
 import trio
 
 from node.config import NodeConfig
-from node.routing import UNAVAILABLE
 from node.runner.supervisor import ChannelEvents
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.chat import GenerateRequest, Resume
 from protocol.events import (
+    MODEL_LOADING,
+    MODEL_NOT_FOUND,
+    NODE_UNAVAILABLE,
     PIPELINE_FAILED,
     RUNNER_UNAVAILABLE,
+    TOO_MANY_REQUESTS,
+    UNFINISHED,
     ChunkEvent,
+    ErrorCode,
     Finish,
     GenerationError,
     OutputEvent,
@@ -62,9 +67,9 @@ RETRY = BackoffPolicy(min_s=0.2, max_s=2.0)
 """Between rounds over the entries: soon at first (a replica or a restarted runner is ready at
 once), then every 2 s at most, cheap for the entries (a refused dial, a local check)."""
 
-BREAK_CODES = frozenset({UNAVAILABLE, RUNNER_UNAVAILABLE, PIPELINE_FAILED})
+BREAK_CODES: frozenset[ErrorCode] = frozenset({NODE_UNAVAILABLE, RUNNER_UNAVAILABLE, PIPELINE_FAILED})
 """The instance broke off or cannot be reached: another one, or this one restarted, may take over."""
-WAIT_CODES = frozenset({"model_loading", "model_not_found", "too_many_requests"})
+WAIT_CODES: frozenset[ErrorCode] = frozenset({MODEL_LOADING, MODEL_NOT_FOUND, TOO_MANY_REQUESTS})
 """Once failing over only: the instance is being re-placed (its record gone for a moment, then its
 runner loading: `node.backend`) or its queue is full (`node.runner.supervisor`); wait and retry."""
 
@@ -170,9 +175,6 @@ class _Outcome:
     taken: bool = False
     progressed: bool = False
     """New tokens reached the client."""
-
-
-_UNFINISHED = GenerationError(error_kind="server_error", message="the generation ended without finishing")
 
 
 class Failover:
@@ -320,7 +322,7 @@ class Failover:
             finally:
                 generation.scope, generation.running = None, False
         if outcome.terminal is None and not scope.cancelled_caught:
-            outcome.terminal = _UNFINISHED  # against the contract; never resumed blindly
+            outcome.terminal = UNFINISHED  # against the contract; never resumed blindly
         return outcome
 
     @staticmethod

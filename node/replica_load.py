@@ -122,7 +122,7 @@ class ReplicaLoads:
             if record.stages[0].node != me:
                 continue
             runner = self._local_runner(record.model)
-            queued = int(runner.health()["queued_requests"]) if runner is not None else 0
+            queued = runner.health().queued_requests if runner is not None else 0
             entries.append(
                 EntryLoad(
                     record.instance_id,

@@ -35,7 +35,7 @@ import trio
 from node.net.channel import Channel, ChannelClosed, ChannelError, ChannelTimeout
 from node.net.mesh import Mesh
 from protocol.chat import GenerateRequest
-from protocol.events import ChunkEvent, GenerationError, is_terminal
+from protocol.events import NODE_UNAVAILABLE, REQUEST_TOO_LARGE, ChunkEvent, GenerationError, is_terminal
 from protocol.generate_wire import (
     GENERATE_PROTOCOL,
     MAX_MESSAGE_BYTES,
@@ -52,8 +52,6 @@ from protocol.ids import RequestId
 
 log = logging.getLogger("shoal.routing")
 
-UNAVAILABLE = "node_unavailable"
-"""`GenerationError.code` when the entry node could not be reached or broke off."""
 _KEEP_ALIVE = encode(KeepAlive())
 _CANCEL = encode(RemoteCancel())
 
@@ -215,7 +213,7 @@ def serve_generations(
 # --- the requester's side ------------------------------------------------------------------------
 def _unavailable(node_id: str, why: str) -> GenerationError:
     return GenerationError(
-        error_kind="server_error", message=f"node {node_id} is unavailable: {why}", code=UNAVAILABLE
+        error_kind="server_error", message=f"node {node_id} is unavailable: {why}", code=NODE_UNAVAILABLE
     )
 
 
@@ -295,7 +293,7 @@ class RemoteGenerations:
         except GenerateWireError as exc:
             stream = _RemoteStream(node_id, None, self.config.idle_timeout_s)
             stream.fail_with(
-                GenerationError(error_kind="invalid_request", message=str(exc), code="request_too_large")
+                GenerationError(error_kind="invalid_request", message=str(exc), code=REQUEST_TOO_LARGE)
             )
             yield stream
             return
@@ -364,7 +362,6 @@ class RemoteGenerations:
 
 
 __all__ = [
-    "UNAVAILABLE",
     "CancelRequest",
     "GenerationServer",
     "OpenStream",

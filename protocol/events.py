@@ -84,11 +84,42 @@ class Finish(_Event):
 ErrorKind = Literal["invalid_request", "server_error", "overloaded"]
 
 
-RUNNER_UNAVAILABLE = "runner_unavailable"
-"""`GenerationError.code`: the runner died, was stopped, or is not ready (failover retries it)."""
-PIPELINE_FAILED = "pipeline_failed"
-"""`GenerationError.code`: a link or a later stage of a pipeline broke off mid-request (failover
-retries it)."""
+ErrorCode = Literal[
+    "runner_unavailable",
+    "pipeline_failed",
+    "node_unavailable",
+    "model_files_unavailable",
+    "model_loading",
+    "model_not_found",
+    "too_many_requests",
+    "request_too_large",
+    "context_length_exceeded",
+    "token_out_of_vocabulary",
+]
+"""Every `GenerationError.code`, one closed set: producers name the constants below and the failover
+decision (`node.failover`) tests the same ones, so a retry never rests on two spellings agreeing.
+Clients see the plain strings (the OpenAI-style `code` of an error)."""
+RUNNER_UNAVAILABLE: ErrorCode = "runner_unavailable"
+"""The runner died, was stopped, or is not ready (failover retries it)."""
+PIPELINE_FAILED: ErrorCode = "pipeline_failed"
+"""A link or a later stage of a pipeline broke off mid-request (failover retries it)."""
+NODE_UNAVAILABLE: ErrorCode = "node_unavailable"
+"""The entry node could not be reached or broke off (`node.routing`; failover retries it)."""
+MODEL_FILES_UNAVAILABLE: ErrorCode = "model_files_unavailable"
+"""No node can get the model's files (`protocol.model_files.files_unavailable`): failover does not
+wait for it, and the client learns why at once."""
+MODEL_LOADING: ErrorCode = "model_loading"
+"""The model's runner is still loading past the load wait (failover waits and retries)."""
+MODEL_NOT_FOUND: ErrorCode = "model_not_found"
+"""No instance serves the model here (while failing over: being re-placed, so it waits)."""
+TOO_MANY_REQUESTS: ErrorCode = "too_many_requests"
+"""The model's request queue is full (HTTP 429; failover waits and retries)."""
+REQUEST_TOO_LARGE: ErrorCode = "request_too_large"
+"""The request is over what one node may send another."""
+CONTEXT_LENGTH_EXCEEDED: ErrorCode = "context_length_exceeded"
+"""The prompt and the tokens asked for exceed the model's context."""
+TOKEN_OUT_OF_VOCABULARY: ErrorCode = "token_out_of_vocabulary"
+"""The prompt holds a token id past the model's vocabulary (a tokenizer that does not match)."""
 
 
 class GenerationError(_Event):
@@ -102,7 +133,7 @@ class GenerationError(_Event):
     kind: Literal["error"] = "error"
     error_kind: ErrorKind
     message: str
-    code: str | None = None
+    code: ErrorCode | None = None
     param: str | None = None
 
 
@@ -113,6 +144,10 @@ ChunkEvent = Annotated[
 TerminalEvent = Finish | GenerationError
 OutputEvent = TextDelta | ReasoningDelta | ToolCall
 """What a generation's tokens turn into (the events that carry `tokens`)."""
+
+
+UNFINISHED = GenerationError(error_kind="server_error", message="the generation ended without finishing")
+"""What a stream that ended without a terminal event ends with (an encoder's, or the failover's)."""
 
 
 def is_terminal(event: ChunkEvent) -> bool:

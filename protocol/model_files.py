@@ -114,11 +114,6 @@ def instance_files_state(
     return ("loading", None) if loading else (None, None)
 
 
-FILES_UNAVAILABLE = "model_files_unavailable"
-"""`GenerationError.code` of a request for a model whose files no node can get (`files_unobtainable`):
-failover does not wait for it, and the client learns why at once."""
-
-
 def holders_gone(
     manifest: Manifest, holdings: Mapping[NodeId, NodeHoldings], live: Collection[NodeId]
 ) -> bool:

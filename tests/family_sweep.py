@@ -26,8 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from node.cpu.mlx_lm_quirks import decoder_owner, full_cache, hidden_state_parameter
 from node.pipeline.generic import generic_shard
-from node.pipeline.mlx_lm_quirks import decoder_owner, full_cache, hidden_state_parameter
 from tests.model_factory import _random_parameters
 
 VOCAB = 512

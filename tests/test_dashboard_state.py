@@ -13,6 +13,7 @@ import trio.testing
 from api.dashboard_state import InstanceStates, instance_status, placeable_models
 from protocol.cluster_view import ClusterView, InstanceView, MemberView, ModelFileView, StageView
 from protocol.control_wire import Invalid, Placed, PlaceOutcome, Unavailable
+from protocol.health import NodeHealth, RunnerHealth
 
 ME, PEER = "12D3KooWme", "12D3KooWpeer"
 
@@ -38,7 +39,11 @@ def member(node: str) -> MemberView:
     )
 
 
-RUNNER = {"model": "m", "state": "ready", "error": None}
+RUNNER = RunnerHealth(model="m", state="ready")
+
+
+def runner(**fields: Any) -> RunnerHealth:
+    return RUNNER.model_copy(update=fields)
 
 
 @pytest.mark.parametrize(
@@ -46,16 +51,16 @@ RUNNER = {"model": "m", "state": "ready", "error": None}
     [
         (None, "unknown", "its first node's API does not answer"),
         ([], "loading", None),
-        ([{**RUNNER, "model": "other"}], "loading", None),
+        ([runner(model="other")], "loading", None),
         ([RUNNER], "ready", None),
-        ([{**RUNNER, "state": "starting"}], "loading", None),
-        ([{**RUNNER, "state": "restarting"}], "loading", "the runner is restarting"),
-        ([{**RUNNER, "state": "failed", "error": "out of memory"}], "failed", "out of memory"),
-        ([{**RUNNER, "state": "failed"}], "failed", "the model failed"),
+        ([runner(state="starting")], "loading", None),
+        ([runner(state="restarting")], "loading", "the runner is restarting"),
+        ([runner(state="failed", error="out of memory")], "failed", "out of memory"),
+        ([runner(state="failed")], "failed", "the model failed"),
     ],
 )
 def test_instance_status_from_runners(
-    runners: list[dict[str, Any]] | None, state: str, error: str | None
+    runners: list[RunnerHealth] | None, state: str, error: str | None
 ) -> None:
     status = instance_status(instance("i", "m", ME), runners)
     assert (status.state, status.error) == (state, error)
@@ -83,8 +88,8 @@ class FakeBackend:
     def cluster(self) -> ClusterView:
         return self.view
 
-    def health(self) -> dict[str, Any]:
-        return {"runners": [{"model": "a", "state": "ready"}]}
+    def health(self) -> NodeHealth:
+        return NodeHealth(runners=(RunnerHealth(model="a", state="ready"),))
 
     async def local_models(self) -> Sequence[ModelFileView]:
         return [ModelFileView(name=name, model_type="llama", size_bytes=10) for name in self.outcomes]
@@ -104,11 +109,11 @@ def test_peers_are_asked_once_per_ttl_and_a_silent_one_is_unknown() -> None:
     asked: list[str] = []
     answers: dict[str, Any] = {"b": "ready"}
 
-    async def fetch(url: str) -> list[dict[str, Any]]:
+    async def fetch(url: str) -> list[RunnerHealth]:
         asked.append(url)
         if answers["b"] is None:
             raise OSError("connection refused")
-        return [{"model": "b", "state": answers["b"]}]
+        return [RunnerHealth(model="b", state=answers["b"])]
 
     async def main() -> None:
         backend = FakeBackend()

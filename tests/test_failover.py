@@ -11,23 +11,33 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import trio
 from mlx_lm.utils import load_tokenizer
+from pydantic import ValidationError
 
-from node.failover import Delivered, Failover, FailoverConfig, choose_entry, fails_over
+from node.failover import (
+    BREAK_CODES,
+    WAIT_CODES,
+    Delivered,
+    Failover,
+    FailoverConfig,
+    choose_entry,
+    fails_over,
+)
 from node.pipeline.driver import PipelineGenerator
 from node.pipeline.shard import load_shard
-from node.routing import UNAVAILABLE
 from node.runner.engine import Admitted, LoadedModel, RequestOutput, loaded_model
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import ChatMessage, GenerateRequest, Resume, SamplingParams
 from protocol.events import (
+    NODE_UNAVAILABLE,
     PIPELINE_FAILED,
     RUNNER_UNAVAILABLE,
     ChunkEvent,
+    ErrorCode,
     Finish,
     GenerationError,
     OutputEvent,
@@ -46,7 +56,7 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=40)
 GREEDY = SEEDED.model_copy(update={"temperature": 0.0})
 
 
-def _error(code: str | None, kind: Any = "server_error") -> GenerationError:
+def _error(code: ErrorCode | None, kind: Any = "server_error") -> GenerationError:
     return GenerationError(error_kind=kind, message="x", code=code)
 
 
@@ -54,7 +64,7 @@ def _error(code: str | None, kind: Any = "server_error") -> GenerationError:
 @pytest.mark.parametrize(
     ("error", "first", "later"),
     [
-        (_error(UNAVAILABLE), True, True),
+        (_error(NODE_UNAVAILABLE), True, True),
         (_error(RUNNER_UNAVAILABLE), True, True),
         (_error(PIPELINE_FAILED), True, True),
         (_error("model_loading"), False, True),  # the first attempt has its own wait (load_wait_s)
@@ -69,6 +79,14 @@ def _error(code: str | None, kind: Any = "server_error") -> GenerationError:
 def test_which_errors_fail_over(error: GenerationError, first: bool, later: bool) -> None:
     assert fails_over(error, failing_over=False) is first
     assert fails_over(error, failing_over=True) is later
+
+
+def test_error_codes_are_one_closed_set() -> None:
+    """Each code the failover decides on is one of `ErrorCode`, and a peer's event with a code
+    outside it is refused where it is decoded (a misspelled producer fails its tests, not a retry)."""
+    assert set(get_args(ErrorCode)) >= BREAK_CODES | WAIT_CODES
+    with pytest.raises(ValidationError, match="code"):
+        GenerationError.model_validate({"error_kind": "server_error", "message": "x", "code": "runner_gone"})
 
 
 def test_choose_entry_tries_each_entry_once_then_pauses() -> None:
@@ -202,7 +220,7 @@ def _text(events: list[ChunkEvent]) -> str:
 
 
 def _pid(runner: RunnerSupervisor) -> int:
-    pid = runner.health()["pid"]
+    pid = runner.health().pid
     assert isinstance(pid, int)
     return pid
 

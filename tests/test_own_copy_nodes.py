@@ -24,7 +24,7 @@ import pytest
 
 from node.models import BUILTIN_MODEL_NAME
 from node.net.identity import load_or_create_identity, peer_id_of
-from protocol.model_files import FILES_UNAVAILABLE
+from protocol.events import MODEL_FILES_UNAVAILABLE
 from tests.model_factory import make_random_model
 from tests.nodes import RunningNode, agreed_leader, can_hide_folders, hidden_from, start_node
 from tests.test_failover_nodes import Streamed, assert_seamless, stream
@@ -140,7 +140,7 @@ def test_a_model_no_node_can_get_fails_at_once(hiding: tuple[list[RunningNode], 
     instance = _place_on(a, str(model))
     long = {**STORY, "max_tokens": 600}  # the random model writes ~100 tok/s
     cut, seconds = _kill_mid_stream(a, b, instance["model"], long)
-    assert cut.done and [e["code"] for e in cut.errors] == [FILES_UNAVAILABLE], cut.errors
+    assert cut.done and [e["code"] for e in cut.errors] == [MODEL_FILES_UNAVAILABLE], cut.errors
     assert _unobtainable(cut.errors[0]["message"]), cut.errors
     assert seconds < 30, f"the error came {seconds:.1f} s after the kill"
     print(f"\nkill -9 of the sole holder -> the stream's error: {seconds:.1f} s")

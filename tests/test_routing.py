@@ -21,10 +21,18 @@ import trio
 
 from node.net import Mesh
 from node.net.channel import ChannelError
-from node.routing import UNAVAILABLE, RemoteGenerations, RoutingConfig, serve_generations
+from node.routing import RemoteGenerations, RoutingConfig, serve_generations
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import ChatMessage, GenerateRequest, SamplingParams
-from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress, TextDelta, Usage
+from protocol.events import (
+    NODE_UNAVAILABLE,
+    ChunkEvent,
+    Finish,
+    GenerationError,
+    PrefillProgress,
+    TextDelta,
+    Usage,
+)
 from protocol.generate_wire import (
     GENERATE_PROTOCOL,
     Event,
@@ -120,7 +128,7 @@ def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Pat
             remote = RemoteGenerations(requester)
 
             def idle() -> bool:
-                return runner.health()["active_requests"] == 0
+                return runner.health().active_requests == 0
 
             # The prefix cache makes a repeated prompt's prefill differ from the first one's:
             # a warm-up puts both measured streams in the same (cached) state.
@@ -150,9 +158,9 @@ def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Pat
                 async for event in events:
                     if isinstance(event, TextDelta):
                         break
-            assert runner.health()["active_requests"] in (0, 1)
+            assert runner.health().active_requests in (0, 1)
             await wait_until_async(idle, 60, "the runner idle after the early exit")
-            assert runner.health()["cancelled"] == 1
+            assert runner.health().cancelled == 1
             await wait_until_async(lambda: server.stats.active == 0, 60, "no stream served")
             assert server.stats.requester_gone == 1
 
@@ -166,13 +174,13 @@ def test_remote_stream_is_the_local_stream(tmp_path: Path, random_model_dir: Pat
             assert isinstance(seen[-1], Finish) and seen[-1].reason == "cancelled"
             assert not await remote.cancel(RequestId("cancel-me"))
             await wait_until_async(idle, 60, "the runner idle after the cancel")
-            assert runner.health()["cancelled"] == 2
+            assert runner.health().cancelled == 2
 
             # A node that is not connected: one error event, no exception, and no wait for an
             # answer (the error is not the idle timeout's).
             nowhere = await collect(remote.open_stream(requester.peer_id, request("nowhere")))
             assert len(nowhere) == 1 and isinstance(nowhere[0], GenerationError)
-            assert (nowhere[0].error_kind, nowhere[0].code) == ("server_error", UNAVAILABLE)
+            assert (nowhere[0].error_kind, nowhere[0].code) == ("server_error", NODE_UNAVAILABLE)
             assert requester.peer_id in nowhere[0].message
             assert "no answer" not in nowhere[0].message, nowhere[0].message
 
@@ -335,7 +343,7 @@ def test_dead_or_frozen_entry_node_ends_the_stream_with_an_error(
                         os.kill(process.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
             error = seen[-1]
             assert isinstance(error, GenerationError), error
-            assert (error.error_kind, error.code) == ("server_error", UNAVAILABLE)
+            assert (error.error_kind, error.code) == ("server_error", NODE_UNAVAILABLE)
             assert entry_id in error.message
             assert any(isinstance(e, TextDelta) for e in seen)
             # A dead node's connection closes at once; a frozen one's stays open and silent, and
@@ -346,7 +354,7 @@ def test_dead_or_frozen_entry_node_ends_the_stream_with_an_error(
 
             # Once it is gone, a new request fails too (not connected, or no answer).
             after = await collect(remote.open_stream(entry_id, request("after")))
-            assert isinstance(after[-1], GenerationError) and after[-1].code == UNAVAILABLE
+            assert isinstance(after[-1], GenerationError) and after[-1].code == NODE_UNAVAILABLE
 
     run(scenario)
 

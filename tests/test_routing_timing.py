@@ -18,9 +18,9 @@ import trio
 import trio.testing
 
 from node.net.channel import Channel
-from node.routing import UNAVAILABLE, GenerationServer, RemoteGenerations, RoutingConfig
+from node.routing import GenerationServer, RemoteGenerations, RoutingConfig
 from protocol.chat import ChatMessage, GenerateRequest
-from protocol.events import ChunkEvent, Finish, GenerationError, TextDelta, Usage
+from protocol.events import NODE_UNAVAILABLE, ChunkEvent, Finish, GenerationError, TextDelta, Usage
 from protocol.generate_wire import KeepAlive, decode_entry_message
 from protocol.ids import ModelId, RequestId
 
@@ -160,7 +160,7 @@ def test_a_frozen_entry_node_ends_the_stream_after_the_idle_timeout() -> None:
 
     run(lambda cancels: quiet_for(60.0, cancels), requester)
     (first_at, _), (error_at, error) = got
-    assert isinstance(error, GenerationError) and error.code == UNAVAILABLE, error
+    assert isinstance(error, GenerationError) and error.code == NODE_UNAVAILABLE, error
     assert "no answer for 3 s" in error.message
     assert error_at - first_at == CONFIG.idle_timeout_s  # its last frame was the token
 
@@ -181,7 +181,7 @@ def test_a_killed_entry_node_ends_the_stream_at_once() -> None:
 
     run(lambda cancels: quiet_for(60.0, cancels), requester)
     error_at, error = got[-1]
-    assert isinstance(error, GenerationError) and error.code == UNAVAILABLE, error
+    assert isinstance(error, GenerationError) and error.code == NODE_UNAVAILABLE, error
     assert error_at == 2.5
 
 
@@ -225,5 +225,5 @@ def test_a_runner_that_ignores_a_cancel_is_left_after_the_grace() -> None:
     got: list[tuple[float, ChunkEvent]] = []
     assert run(ignores_cancel, cancelling_at_1s(got)) == [1.0]
     error_at, error = got[-1]
-    assert isinstance(error, GenerationError) and error.code == UNAVAILABLE, error
+    assert isinstance(error, GenerationError) and error.code == NODE_UNAVAILABLE, error
     assert error_at == 1.0 + CONFIG.cancel_grace_s  # the entry left the stream: the channel reset

@@ -24,6 +24,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
+from node.cpu.mlx_lm_quirks import advance_batch, rope_frequencies, write_index
+
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -51,7 +53,7 @@ def rope_spec(rope: Any) -> RopeSpec | None:
     if type(rope) is nn.RoPE:
         return RopeSpec(rope.dims, rope.traditional, float(rope.base), float(rope.scale), None)
     if type(rope) is Llama3RoPE:
-        return RopeSpec(rope.dims, rope.traditional, None, 1.0, rope._freqs)
+        return RopeSpec(rope.dims, rope.traditional, None, 1.0, rope_frequencies(rope))
     return None
 
 
@@ -67,7 +69,7 @@ def cached_attention(
     kind = type(cache)
     if (kind is not KVCache and kind is not BatchKVCache) or cache.keys is None:
         return None
-    index = cache.offset if kind is KVCache else cache._idx
+    index = write_index(cache)
     keys, values = cache.keys, cache.values
     if index >= keys.shape[2] or keys.dtype != mx.float32 or values.dtype != mx.float32:
         return None
@@ -91,6 +93,5 @@ def cached_attention(
     if kind is KVCache:
         cache.offset += 1
     else:
-        cache.offset = cache.offset + 1
-        cache._idx += 1
+        advance_batch(cache)
     return out

@@ -32,7 +32,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from node.cpu.decode_attention import cached_attention
 from node.cpu.kernel_layers import KernelQuantizedLinear
 from node.cpu.layer_eval import _EvaluatedInPrefill
-from node.cpu.mixins import with_mixin
+from node.cpu.mlx_lm_quirks import put_mixin
 
 FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """The mlx-lm architectures whose `TransformerBlock` is the plain pre-norm llama layer fused here."""
@@ -163,6 +163,6 @@ def fuse_decoder_layers(model: Any, kernels: ModuleType) -> int:
     for layer in layers:
         if isinstance(layer, _FusedBlock) or not is_fusable(layer):
             continue
-        layer.__class__ = with_mixin(_FusedBlock, type(layer), _kernels=kernels)
+        put_mixin(layer, _FusedBlock, _kernels=kernels)
         fused += 1
     return fused

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from node.cpu.decode_attention import RopeSpec, rope_spec
 from node.cpu.fused_layers import _FusedBlock, projection, tail_args
-from node.cpu.mixins import with_mixin
+from node.cpu.mlx_lm_quirks import advance_batch, put_mixin, write_index
 
 STACKABLE_MODELS = {
     ("mlx_lm.models.llama", "LlamaModel"),
@@ -149,10 +149,10 @@ class _StackedModel:
         kind = type(first)
         if kind is not KVCache and kind is not BatchKVCache:
             return None
-        index = first.offset if kind is KVCache else first._idx
+        index = write_index(first)
         keys, values = [], []
         for c in cache:
-            if type(c) is not kind or c.keys is None or (c.offset if kind is KVCache else c._idx) != index:
+            if type(c) is not kind or c.keys is None or write_index(c) != index:
                 return None
             keys.append(c.keys)
             values.append(c.values)
@@ -185,8 +185,7 @@ class _StackedModel:
         else:  # every layer's offsets are the same values: one add, one array for all
             offset = first.offset + 1
             for c in cache:
-                c.offset = offset
-                c._idx += 1
+                advance_batch(c, offset)
         stack.steps += 1
         if not checked:
             stack.written = tuple(weakref.ref(a) for a in arrays)
@@ -202,5 +201,5 @@ def stack_decoder(model: Any, kernels: ModuleType) -> bool:
     if not issubclass(cls, _StackedModel):
         if (cls.__module__, cls.__name__) not in STACKABLE_MODELS:
             return False
-        inner.__class__ = with_mixin(_StackedModel, cls, _kernels=kernels)
+        put_mixin(inner, _StackedModel, _kernels=kernels)
     return inner.stack() is not None

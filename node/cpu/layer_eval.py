@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from node.cpu.mixins import with_mixin
+from node.cpu.mlx_lm_quirks import put_mixin
 
 
 class _EvaluatedInPrefill:
@@ -29,12 +29,6 @@ class _EvaluatedInPrefill:
         if x.ndim == 3 and x.shape[1] > 1 and isinstance(out, mx.array):
             mx.eval(out)
         return out
-
-
-def _evaluated(cls: type) -> type:
-    if issubclass(cls, _EvaluatedInPrefill):
-        return cls
-    return with_mixin(_EvaluatedInPrefill, cls)
 
 
 def evaluate_layers_in_prefill(model: Any) -> int:
@@ -48,5 +42,5 @@ def evaluate_layers_in_prefill(model: Any) -> int:
     if not isinstance(layers, list):
         return 0
     for layer in layers[:-1]:
-        layer.__class__ = _evaluated(type(layer))
+        put_mixin(layer, _EvaluatedInPrefill)
     return max(0, len(layers) - 1)

@@ -28,7 +28,7 @@ import mlx.core as mx
 from node.cpu.expert_layers import KernelSwitchLinear
 from node.cpu.fused_layers import fused_layers_enabled, projection
 from node.cpu.kernel_layers import KernelQuantizedLinear
-from node.cpu.mixins import with_mixin
+from node.cpu.mlx_lm_quirks import put_mixin, swiglu_oai_constants
 
 FUSABLE_BLOCKS = (
     ("mlx_lm.models.qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -51,7 +51,7 @@ def _activation(block: Any) -> tuple[str, float, float] | None:
     if type(act) is SwiGLU:
         return ("swiglu", 1.0, 0.0)
     if type(act) is SwigluOAI:
-        return ("swiglu_oai", float(act._alpha), float(act._limit))
+        return ("swiglu_oai", *swiglu_oai_constants(act))
     return None
 
 
@@ -125,6 +125,6 @@ def fuse_moe_blocks(model: Any, kernels: ModuleType) -> int:
     for _, module in model.named_modules():
         if isinstance(module, _FusedMoe) or not is_fusable_moe(module):
             continue
-        module.__class__ = with_mixin(_FusedMoe, type(module), _kernels=kernels)
+        put_mixin(module, _FusedMoe, _kernels=kernels)
         fused += 1
     return fused

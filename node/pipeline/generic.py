@@ -20,7 +20,7 @@ mask time has the offset every cache of that kind here has. A kind the stage lac
 cache; only skipped layers use its mask, and they ignore it. Each stage keeps caches only for its
 own layers. Recurrent state (`ArraysCache`: qwen3_next, lfm2, falcon_h1, mamba ...) is per layer
 too, so hybrid families split the same way. The mlx-lm internals this relies on are in
-`node.pipeline.mlx_lm_quirks`.
+`node.cpu.mlx_lm_quirks`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from node.models.shape import UNSPLITTABLE
-from node.pipeline.mlx_lm_quirks import (
+from node.cpu.mlx_lm_quirks import (
     cache_kind,
     decoder_owner,
     full_cache,
@@ -40,6 +39,7 @@ from node.pipeline.mlx_lm_quirks import (
     is_embedding,
     plain_attributes,
 )
+from node.models.shape import UNSPLITTABLE
 from node.pipeline.shard import Shard, ShardError, ShardSpec
 
 HEAD_NAMES = ("lm_head", "output", "embed_out")

@@ -30,7 +30,10 @@ from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
 from protocol.chat import GenerateRequest
 from protocol.events import (
+    CONTEXT_LENGTH_EXCEEDED,
+    TOKEN_OUT_OF_VOCABULARY,
     ChunkEvent,
+    ErrorCode,
     Finish,
     FinishReason,
     GenerationError,
@@ -123,14 +126,14 @@ def _outside_vocabulary(loaded: LoadedModel, prompt: Sequence[int]) -> Generatio
             f"the prompt holds token id {top}, but this model's vocabulary has {loaded.vocab_size} "
             f"tokens: {tokenizer} does not match its weights"
         ),
-        code="token_out_of_vocabulary",
+        code=TOKEN_OUT_OF_VOCABULARY,
         param="messages",
     )
 
 
 def _too_long(message: str) -> GenerationError:
     return GenerationError(
-        error_kind="invalid_request", message=message, code="context_length_exceeded", param="messages"
+        error_kind="invalid_request", message=message, code=CONTEXT_LENGTH_EXCEEDED, param="messages"
     )
 
 
@@ -335,7 +338,7 @@ class RequestOutput:
         stop_sequence = self._stops.matched if reason == "stop" else None
         self._emit(Finish(reason=reason, usage=usage, stop_sequence=stop_sequence))
 
-    def fail(self, message: str, *, code: str | None = None) -> None:
+    def fail(self, message: str, *, code: ErrorCode | None = None) -> None:
         """The terminal `server_error`, for a fault on our side."""
         if not self.done:
             self.done = True

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -21,7 +21,15 @@ from node.children.supervisor import Child, ChildFailed, Launch, keep_restarting
 from node.cpu.fastpath import runner_environment
 from node.pipeline.link_auth import LINK_ENV
 from protocol.chat import GenerateRequest
-from protocol.events import RUNNER_UNAVAILABLE, ChunkEvent, Finish, GenerationError, is_terminal
+from protocol.events import (
+    RUNNER_UNAVAILABLE,
+    TOO_MANY_REQUESTS,
+    ChunkEvent,
+    Finish,
+    GenerationError,
+    is_terminal,
+)
+from protocol.health import RunnerHealth, RunnerState
 from protocol.ids import RequestId
 from protocol.runner_wire import (
     MAX_FRAME_BYTES,
@@ -44,7 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shoal.runner")
 
-RunnerState = Literal["starting", "ready", "restarting", "failed"]
 
 RUNNER_COMMAND = (sys.executable, "-m", "node.runner")
 """No arguments: the runner reads its `RunnerSpec` from the first frame on its stdin."""
@@ -91,7 +98,7 @@ def _overloaded(spec: RunnerSpec) -> GenerationError:
             f"model {spec.model_id} is busy: {spec.max_concurrent} requests are running and "
             f"{spec.max_queued} waiting; retry later"
         ),
-        code="too_many_requests",
+        code=TOO_MANY_REQUESTS,
     )
 
 
@@ -233,15 +240,15 @@ class RunnerSupervisor:
         admits whenever a place frees). A pipeline runs one request at a time."""
         return 1 if self.spec.pipeline is not None else self.spec.max_concurrent
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "model": self.spec.model_id,
-            "state": self.state,
-            "pid": self._child.pid if self._child is not None else None,
-            "restarts": self.restarts,
-            "active_requests": len(self._in_flight),
-            "queued_requests": max(0, len(self._in_flight) - self._batch_capacity),
-            "cancelled": self.cancelled,
-            "context_length": self.ready_info.context_length if self.ready_info else None,
-            "error": self.failure,
-        }
+    def health(self) -> RunnerHealth:
+        return RunnerHealth(
+            model=self.spec.model_id,
+            state=self.state,
+            pid=self._child.pid if self._child is not None else None,
+            restarts=self.restarts,
+            active_requests=len(self._in_flight),
+            queued_requests=max(0, len(self._in_flight) - self._batch_capacity),
+            cancelled=self.cancelled,
+            context_length=self.ready_info.context_length if self.ready_info else None,
+            error=self.failure,
+        )

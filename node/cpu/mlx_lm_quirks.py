@@ -1,7 +1,23 @@
-"""The mlx-lm internals a generic pipeline stage relies on (read in mlx-lm 0.32.2's source).
+"""Every mlx-lm (and MLX) internal Shoal relies on, in one place: read in mlx-lm 0.32.2 and mlx
+0.32.4 (`READ_FROM`; `pyproject.toml` bounds both). When a new version changes one of these facts,
+the fix is here, and `tests/test_mlx_lm_quirks.py` says which fact broke.
 
-`node.pipeline.generic` calls only these helpers; when mlx-lm changes one of these facts, the fix
-is here.
+Class swaps (`put_mixin`): the fused CPU paths (`fused_layers`, `fused_stack`, `moe_blocks`,
+`layer_eval`) change only a module's `__class__`, putting a mixin in front of its own class, so
+parameters, children, names and `isinstance` checks see the same model. mlx-lm's modules are plain
+Python classes over `mlx.nn.Module` (a dict subclass), which allows the assignment. Each (mixin,
+class) pair is made once, so every layer of a model shares one class, named and placed as the
+original.
+
+Private attributes (`node.cpu.decode_attention`, `fused_stack`, `moe_blocks`):
+- `rope_frequencies`: `Llama3RoPE` keeps its scaled frequencies in `_freqs` (dims // 2 floats) and
+  passes them to `mx.fast.rope(..., base=None, freqs=_freqs)`.
+- `write_index`, `advance_batch`: `BatchKVCache` writes the next position at `_idx` (shared
+  by the batch; `offset` is an array per sequence) and advances both in `update_and_fetch`.
+- `swiglu_oai_constants`: `SwigluOAI` (gpt_oss's experts) keeps alpha and limit in `_alpha`,
+  `_limit`.
+
+What a generic pipeline stage relies on (`node.pipeline.generic`):
 
 - `decoder_owner`: a model's decoder layers are a list of one module (`Model.model.layers` in
   llama, gemma3_text, phi3, qwen3_moe, gpt_oss; `transformer.h` in nanochat, `model.blocks` in
@@ -32,7 +48,48 @@ import inspect
 from collections.abc import Hashable
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+READ_FROM = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
+"""The versions whose source these facts were read from."""
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def put_mixin(module: nn.Module, mixin: type, **namespace: Any) -> None:
+    """Put `mixin` in front of `module`'s class (and `namespace`, e.g. the kernels module, as class
+    attributes); a module that has it already is left as it is."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    if (mixin, cls) not in _CLASSES:
+        attributes = {"__module__": cls.__module__, **namespace}
+        _CLASSES[mixin, cls] = type(cls.__name__, (mixin, cls), attributes)
+    module.__class__ = _CLASSES[mixin, cls]
+
+
+def rope_frequencies(rope: Any) -> mx.array:
+    """A `Llama3RoPE`'s scaled frequencies."""
+    freqs: mx.array = rope._freqs
+    return freqs
+
+
+def write_index(cache: Any) -> int:
+    """Where a `KVCache` (its `offset`) or a `BatchKVCache` writes the next position."""
+    return int(cache.offset if type(cache) is KVCache else cache._idx)
+
+
+def advance_batch(cache: Any, offset: mx.array | None = None) -> None:
+    """Count one position written into a `BatchKVCache`, as its `update_and_fetch` does (`offset`:
+    the new offsets, one array that every layer's cache may share)."""
+    cache.offset = cache.offset + 1 if offset is None else offset
+    cache._idx += 1
+
+
+def swiglu_oai_constants(activation: Any) -> tuple[float, float]:
+    """A `SwigluOAI`'s (alpha, limit): gpt_oss's clamped SwiGLU."""
+    return float(activation._alpha), float(activation._limit)
 
 
 def decoder_owner(model: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:
