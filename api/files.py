@@ -23,8 +23,8 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from api.errors import ApiError
+from protocol.model_files import FILES_PREFIX
 
-FILES_PREFIX = "/v1/files"
 AuthVerdict = Literal["ok", "unauthenticated", "forbidden"]
 
 
@@ -40,11 +40,6 @@ class FileSource(Protocol):
     def locate(self, manifest_id: str, path: str) -> Path | None:
         """The local file that is `path` of the model with this manifest id, or None."""
         ...
-
-
-def file_url_path(manifest_id: str, path: str) -> str:
-    """The URL path (not percent-encoded) of one model file; what a requester signs."""
-    return f"{FILES_PREFIX}/{manifest_id}/{path}"
 
 
 class _ChunkedFileResponse(FileResponse):

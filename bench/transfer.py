@@ -48,13 +48,13 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api.files import file_url_path
 from bench.common import builtin_model, chat_body, loadavg, stream_chat
 from node.files import Fetcher, FileServer, HashCache, Peer, folder_manifest
 from node.files.hashing import file_sha256
 from node.files.signing import sign
 from node.net.channel import Channel, ChannelClosed
 from protocol.manifest import Manifest
+from protocol.model_files import file_url_path
 from tests.file_peers import CLUSTER, KEY, SECRET, file_app, serving
 from tests.meshes import config as mesh_config
 from tests.meshes import running

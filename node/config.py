@@ -48,7 +48,7 @@ class NodeConfig:
     meanwhile. A started runner's own load has its own bound (`RunnerSpec.ready_timeout_s`)."""
     failover_timeout_s: float = 60.0
     """How long a generation whose instance broke off (node dead, runner crashed, stage lost) waits
-    for another instance to take it over (`node.failover`) before its stream ends with the error. The
+    for another instance to take it over (`node.serving.failover`) before its stream ends with the error. The
     slow case is re-placing a lost node's instance: the leader declares the node dead (a few
     seconds), places the instance elsewhere and that node loads the model (~10 s for a small one).
     60 s covers that for models of a few GB, well within the 10 minutes the OpenAI and Anthropic SDKs

@@ -14,20 +14,20 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from api.app import create_app
-from node.backend import NodeBackend
-from node.cluster import MEMORY_ROUNDING, ClusterConfig, ClusterService
-from node.cluster_files import ClusterFiles, live_members
+from node.cluster.profile import detect_accelerator, read_profile
+from node.cluster.service import MEMORY_ROUNDING, ClusterConfig, ClusterService
 from node.config import NodeConfig
-from node.failover import FailoverConfig
+from node.control.instances import InstanceManager, InstanceOptions
 from node.files import Fetcher, FileServer, HashCache, sidecar_path
-from node.instances import InstanceManager, InstanceOptions
+from node.files.cluster import ClusterFiles, live_members
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
 from node.native import load_kernels
 from node.net.auth import derive_key
 from node.net.mesh import Mesh
 from node.pipeline.link_auth import stage_links
-from node.profile import detect_accelerator, read_profile
-from node.routing import RemoteGenerations, serve_generations
+from node.serving.backend import NodeBackend
+from node.serving.failover import FailoverConfig
+from node.serving.routing import RemoteGenerations, serve_generations
 from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile
 from protocol.ids import ModelId
 from protocol.runner_wire import RunnerSpec

@@ -67,7 +67,7 @@ class SamplingParams(BaseModel):
 
 
 class Resume(BaseModel):
-    """Where a generation broke off, so that another instance continues it (`node.failover`).
+    """Where a generation broke off, so that another instance continues it (`node.serving.failover`).
 
     `tokens` are the generated ids whose events the client already has (the `tokens` of the output
     events it received, in order): the runner prefills them after the prompt, feeds them through its

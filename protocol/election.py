@@ -15,7 +15,7 @@ Properties (tested in tests/test_election.py):
 - A new leader takes over the cluster state as it is: instance records stay until it rewrites them.
 - Views that disagree for long (asymmetric links) can make two nodes outbid each other's terms; terms
   only grow, and it stops as soon as their views agree. The node writes each claim with a heartbeat
-  (node/cluster.py), so a claim revives its writer for whoever reads it: at most one handover and
+  (node/cluster/service.py), so a claim revives its writer for whoever reads it: at most one handover and
   takeback per `dead_after_s` of silence, never one per message round.
 """
 

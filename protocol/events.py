@@ -97,14 +97,14 @@ ErrorCode = Literal[
     "token_out_of_vocabulary",
 ]
 """Every `GenerationError.code`, one closed set: producers name the constants below and the failover
-decision (`node.failover`) tests the same ones, so a retry never rests on two spellings agreeing.
+decision (`node.serving.failover`) tests the same ones, so a retry never rests on two spellings agreeing.
 Clients see the plain strings (the OpenAI-style `code` of an error)."""
 RUNNER_UNAVAILABLE: ErrorCode = "runner_unavailable"
 """The runner died, was stopped, or is not ready (failover retries it)."""
 PIPELINE_FAILED: ErrorCode = "pipeline_failed"
 """A link or a later stage of a pipeline broke off mid-request (failover retries it)."""
 NODE_UNAVAILABLE: ErrorCode = "node_unavailable"
-"""The entry node could not be reached or broke off (`node.routing`; failover retries it)."""
+"""The entry node could not be reached or broke off (`node.serving.routing`; failover retries it)."""
 MODEL_FILES_UNAVAILABLE: ErrorCode = "model_files_unavailable"
 """No node can get the model's files (`protocol.model_files.files_unavailable`): failover does not
 wait for it, and the client learns why at once."""

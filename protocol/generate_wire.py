@@ -9,7 +9,7 @@ straight between the node that accepted the request and the instance's entry nod
 
 Each frame is one CBOR-encoded message, a tagged union of frozen pydantic models as in
 `runner_wire` (whose `Generate`/`Cancel` go from a node to its own runner: hence `Remote` here).
-Sans-I/O: `encode`/`decode_*` only; `node/routing.py` moves the bytes.
+Sans-I/O: `encode`/`decode_*` only; `node/serving/routing.py` moves the bytes.
 The `type` tags are ONLY APPENDED: a node never reuses or renames one.
 
 Versions (the protocol id names the version; a node speaks one, so peers of another version cannot

@@ -43,8 +43,8 @@ class NodeHealth(BaseModel):
 
     runners: tuple[RunnerHealth, ...] = ()
     cluster: Counters = {}
-    """Gossip counters (`node.cluster.ClusterStats`)."""
+    """Gossip counters (`node.cluster.service.ClusterStats`)."""
     mesh: Counters = {}
     """Connection and admission counters (`node.net.events.MeshStats`)."""
     generations_for_peers: Counters = {}
-    """Generations this node ran for other nodes (`node.routing.ServerStats`)."""
+    """Generations this node ran for other nodes (`node.serving.routing.ServerStats`)."""

@@ -17,6 +17,15 @@ from protocol.cluster_view import HoldingView, InstanceState, InstanceView, Stag
 from protocol.ids import NodeId
 from protocol.manifest import Manifest
 
+FILES_PREFIX = "/v1/files"
+"""Where a node serves model files to the other members (`api.files`' route)."""
+
+
+def file_url_path(manifest_id: str, path: str) -> str:
+    """The URL path (not percent-encoded) of one model file: what a fetcher asks for and signs
+    (`node.files.download`), and what the serving node checks the signature against."""
+    return f"{FILES_PREFIX}/{manifest_id}/{path}"
+
 
 def holding_of(manifest: Manifest, paths: Collection[str], model: str = "") -> Holding | None:
     """What a node serving `paths` of `manifest` (which it calls `model`) advertises: every file

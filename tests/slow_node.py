@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 import api.files
-from node.cli import main
+from node.cli.main import main
 
 CHUNK_BYTES = 256 * 1024
 

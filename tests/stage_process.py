@@ -1,5 +1,5 @@
 """A pipeline stage as its own OS process, for tests without trio (the node runs its stages with
-`node.children.supervisor`: `node.hosted_stages`), and an even split of a model's layers."""
+`node.children.supervisor`: `node.hosting.stages`), and an even split of a model's layers."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from node.children.supervisor import ChildFailed, Launch, running
-from node.cli import _parser, main
+from node.cli.main import _parser, main
 from node.config import RUN_FLAGS, NodeConfig, node_config
 from node.net.config import MeshConfig
 from node.runner.supervisor import RUNNER_COMMAND, child_environment

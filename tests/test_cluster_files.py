@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.cluster_files import MANIFEST_SIDECAR, ClusterFiles
 from node.files import Fetcher, FetchError, FileServer, HashCache, cluster_model_dir, folder_manifest
+from node.files.cluster import MANIFEST_SIDECAR, ClusterFiles
 from protocol.cluster import ClusterState
 from protocol.cluster_records import (
     Holding,

@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from node.cluster import ClusterConfig, ClusterService
+from node.cluster.service import ClusterConfig, ClusterService
 from node.net import Gossip, Mesh, MeshConfig, RequestError
 from node.net.events import PeerEvent
 from protocol.cluster_records import NodeProfile

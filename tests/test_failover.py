@@ -18,7 +18,11 @@ import trio
 from mlx_lm.utils import load_tokenizer
 from pydantic import ValidationError
 
-from node.failover import (
+from node.pipeline.driver import PipelineGenerator
+from node.pipeline.shard import load_shard
+from node.runner.engine import Admitted, LoadedModel, RequestOutput, loaded_model
+from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from node.serving.failover import (
     BREAK_CODES,
     WAIT_CODES,
     Delivered,
@@ -27,10 +31,6 @@ from node.failover import (
     choose_entry,
     fails_over,
 )
-from node.pipeline.driver import PipelineGenerator
-from node.pipeline.shard import load_shard
-from node.runner.engine import Admitted, LoadedModel, RequestOutput, loaded_model
-from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import ChatMessage, GenerateRequest, Resume, SamplingParams
 from protocol.events import (
     NODE_UNAVAILABLE,

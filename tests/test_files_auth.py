@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.files import file_url_path
 from node.files import Fetcher, FetchError, FileServer, HashCache, Peer, folder_manifest
 from node.files.signing import MAC_HEADER, MAX_SKEW_S, NODE_HEADER, TIME_HEADER, RequestChecker, sign
 from node.net.auth import derive_key
+from protocol.model_files import file_url_path
 from tests.file_peers import CLUSTER, KEY, SECRET, file_app, file_peer, run, serving, write_files
 
 WEIGHTS = os.urandom(50_000)

@@ -1,12 +1,12 @@
 """`shoal models`' picture (`protocol.held_models.node_models`, pure) and what the dashboard may
-place by name (`node.cluster_files.placeable`: no partial copies fetched from peers)."""
+place by name (`node.files.cluster.placeable`: no partial copies fetched from peers)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from node.cluster_files import MANIFEST_SIDECAR, placeable
+from node.files.cluster import MANIFEST_SIDECAR, placeable
 from node.models.store import list_local_models
 from protocol.cluster_records import Holding, InstanceRecord, NodeHoldings, NodeTransfers, StageAssignment
 from protocol.cluster_view import MemberView

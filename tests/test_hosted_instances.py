@@ -12,8 +12,8 @@ import trio
 import trio.testing
 
 from node.files import FetchError
-from node.hosted_instances import RESOLVE_RETRY, HostedInstances, plan_reconcile
-from node.hosted_stages import answer_stage_address
+from node.hosting.instances import RESOLVE_RETRY, HostedInstances, plan_reconcile
+from node.hosting.stages import answer_stage_address
 from node.models import ModelResolveError, ResolvedModel
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord, StageAssignment

@@ -113,6 +113,21 @@ def test_no_module_is_part_of_an_import_circle() -> None:
     assert _circles(graph) == []
 
 
+def test_the_packages_of_node_stand_in_floors() -> None:
+    """Between the packages of `node/` (and its top-level modules), imports go one way: the request
+    path and the layers read downwards (see the README's Layout)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name.startswith("node."):
+            mine = ".".join(name.split(".")[:2])
+            theirs = {".".join(i.split(".")[:2]) for i in _imports(name, path, module_level=True)}
+            graph.setdefault(mine, set()).update(t for t in theirs if t.startswith("node.") and t != mine)
+    for deps in list(graph.values()):
+        for dep in deps:
+            graph.setdefault(dep, set())
+    assert _circles(graph) == []
+
+
 def test_protocol_and_api_import_nothing_of_node() -> None:
     wrong = [
         f"{name} imports {imported}"

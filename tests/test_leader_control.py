@@ -11,11 +11,11 @@ import pytest
 import trio
 import trio.testing
 
-from node.cluster_files import Described
-from node.instance_requests import LONE_ASK_WAIT_S, InstanceRequests
-from node.leader_control import LeaderControl
-from node.model_finder import ModelFinder
-from node.model_shapes import ShapeCache
+from node.control.finder import ModelFinder
+from node.control.leader import LeaderControl
+from node.control.requests import LONE_ASK_WAIT_S, InstanceRequests
+from node.control.shapes import ShapeCache
+from node.files.cluster import Described
 from node.models import ModelResolveError
 from node.net.mesh import RequestError
 from protocol.cluster import ClusterState, NotLeaderError

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.cluster_files import HOLDERS_WAIT_S, files_unavailable
 from node.files import FetchError, HashCache, folder_manifest
+from node.files.cluster import HOLDERS_WAIT_S, files_unavailable
 from node.models import builtin_gguf_path, ensure_gguf_model
 from node.models.gguf import MARKER_FILE
 from protocol.cluster_records import Holding, InstanceRecord, NodeHoldings, StageAssignment

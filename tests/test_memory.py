@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from node.cluster.profile import read_profile
 from node.cpu import memory
 from node.cpu.dtype import apply_dtype_policy
 from node.cpu.memory import Memory, available_memory_bytes, read_memory
 from node.native import KernelLoad
-from node.profile import read_profile
 from tests.model_factory import make_random_model
 
 GIB = 1024**3

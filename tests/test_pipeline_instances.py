@@ -1,5 +1,5 @@
 """Multi-stage instances across real nodes: a model split over two or three nodes answers like one
-node does, and a stage that dies or freezes mid-stream is failed over (`node.failover`): the instance
+node does, and a stage that dies or freezes mid-stream is failed over (`node.serving.failover`): the instance
 serves again (the stage restarted in place, or the instance re-placed) and takes the request over,
 and the client's stream goes on with the text of an uninterrupted run, without an error."""
 

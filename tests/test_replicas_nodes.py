@@ -13,8 +13,8 @@ import httpx
 import pytest
 from rich.console import Console
 
+from node.cli.status import render
 from node.net.identity import load_or_create_identity, peer_id_of
-from node.status import render
 from protocol.cluster_view import ClusterView
 from tests.nodes import RunningNode, agreed_leader, start_node, statuses
 from tests.waiting import wait_until

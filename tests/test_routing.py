@@ -21,8 +21,8 @@ import trio
 
 from node.net import Mesh
 from node.net.channel import ChannelError
-from node.routing import RemoteGenerations, RoutingConfig, serve_generations
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+from node.serving.routing import RemoteGenerations, RoutingConfig, serve_generations
 from protocol.chat import ChatMessage, GenerateRequest, SamplingParams
 from protocol.events import (
     NODE_UNAVAILABLE,

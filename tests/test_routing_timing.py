@@ -1,4 +1,4 @@
-"""Generations across nodes (`node.routing`), on trio's mock clock: keep-alives, the idle timeout and
+"""Generations across nodes (`node.serving.routing`), on trio's mock clock: keep-alives, the idle timeout and
 the cancel grace against their configured periods.
 
 Both sides are the real ones (`GenerationServer` on the entry node, `RemoteGenerations` on the
@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from node.net.channel import Channel
-from node.routing import GenerationServer, RemoteGenerations, RoutingConfig
+from node.serving.routing import GenerationServer, RemoteGenerations, RoutingConfig
 from protocol.chat import ChatMessage, GenerateRequest
 from protocol.events import NODE_UNAVAILABLE, ChunkEvent, Finish, GenerationError, TextDelta, Usage
 from protocol.generate_wire import KeepAlive, decode_entry_message

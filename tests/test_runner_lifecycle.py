@@ -67,7 +67,7 @@ def _finish_reasons(lines: list[str]) -> list[str]:
 
 def test_sigkill_of_runner_mid_stream_is_failed_over_to_its_restart(node: RunningNode) -> None:
     """The node restarts the runner, and failover resumes the stream there: the client gets the text
-    of an uninterrupted run and no error (`node.failover`)."""
+    of an uninterrupted run and no error (`node.serving.failover`)."""
     before = node.health()["runners"][0]
     pid = before["pid"]
     body = _body(node, stream=True, max_tokens=300)

@@ -22,11 +22,11 @@ import mlx.core as mx
 import pytest
 import trio
 
-from node.model_sampling import ModelSampling
+from node.models.generation_config import read_sampling_defaults
 from node.models.gguf_sampling import gguf_generation_config
 from node.pipeline.shard import request_sampler
-from node.runner.generation_config import read_sampling_defaults
 from node.runner.supervisor import RunnerSupervisor
+from node.serving.model_sampling import ModelSampling
 from protocol.chat import SamplingParams
 from protocol.manifest import FileEntry, Manifest
 from protocol.sampling import SERVER_DEFAULTS, Sampling, SamplingDefaults, model_defaults, resolve_sampling

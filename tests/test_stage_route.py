@@ -1,4 +1,4 @@
-"""The entry node's questions to its later stages (`node.hosted_stages.StageRoute`), on trio's mock
+"""The entry node's questions to its later stages (`node.hosting.stages.StageRoute`), on trio's mock
 clock: how often it asks while a stage is not ready, and when it notices that a stage moved.
 
 The stage nodes are a fake mesh whose answers come from `answer_stage_address`, as a real node's do;
@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import trio
 import trio.testing
 
-from node.hosted_stages import ADDRESS_POLL, ROUTE_CHECK_INTERVAL, StageRoute, answer_stage_address
+from node.hosting.stages import ADDRESS_POLL, ROUTE_CHECK_INTERVAL, StageRoute, answer_stage_address
 from node.net.mesh import RequestError
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import StageAddress, decode_control, encode_control

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from node.status import render
+from node.cli.status import render
 from protocol.cluster_view import ClusterView, HoldingView, InstanceView, MemberView, StageView
 from protocol.manifest import TransferProgress
 

@@ -20,7 +20,7 @@ from tests.test_gguf_import import Q, TinyModel, write_tiny_gguf
 
 EXIT_BOUND_S = 60
 """A refused model stops the node within this (measured: 1.5-2 s on this 2-core machine; a name
-only the cluster may hold, on a node alone: after `node.instance_requests.LONE_ASK_WAIT_S`)."""
+only the cluster may hold, on a node alone: after `node.control.requests.LONE_ASK_WAIT_S`)."""
 FP16_NAN = bytes.fromhex("007e")
 
 
@@ -88,7 +88,7 @@ def test_an_import_that_fails_after_the_start_stops_the_node_cleanly(tmp_path: P
 
 
 def test_a_name_no_node_of_the_cluster_holds_stops_the_node_once_it_asked(tmp_path: Path) -> None:
-    """A plain name this node lacks may be a peer's model (`node.model_finder`): the node starts,
+    """A plain name this node lacks may be a peer's model (`node.control.finder`): the node starts,
     asks the cluster (here only itself) once it has a leader, and stops with exit 2 and both reasons."""
     node = spawn_node(_run_command(tmp_path / "data", "no-such-model"))
     try:

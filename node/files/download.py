@@ -28,8 +28,8 @@ import httpcore._async.http11
 import httpx
 import trio
 
-from api.files import file_url_path
 from node.files.pieces import Piece, part_file, received
+from protocol.model_files import file_url_path
 
 Signer = Callable[[str, str], dict[str, str]]
 """`signer(method, url_path) -> headers`: `node.files.signing.sign` with the key and node id bound."""

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
+from node.models.generation_config import GENERATION_CONFIG
 from node.models.gguf import MARKER_FILE, WEIGHTS_FILE, GGUFImportError, source_stamp
 from node.models.gguf_arch import (
     PERMUTED_QK,
@@ -42,7 +43,6 @@ from node.models.gguf_safetensors import SafetensorsWriter
 from node.models.gguf_sampling import gguf_generation_config
 from node.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
 from node.models.store import publish_dir, staging_dir
-from node.runner.generation_config import GENERATION_CONFIG
 
 
 def read_gguf(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any]]:

@@ -43,7 +43,7 @@ a child still running after this long is given up on, and the node starts withou
 def preflight(ref: str, data_dir: Path) -> ResolvedModel | None:
     """Raise `ModelResolveError` (a `ValueError`) with the reason when `ref` can never be served
     here; download the built-in model's file if it is needed and missing. Blocking. None: a plain
-    name this node does not have, which the cluster may (`node.model_finder`): the node starts and
+    name this node does not have, which the cluster may (`node.control.finder`): the node starts and
     asks it, and exits 2 when no node holds it either (`InstanceRequests.ensure`)."""
     try:
         located = locate_model(ref, data_dir)

@@ -1,6 +1,6 @@
 """How a node starts a stage process and reads its ready frame, without the stage's imports.
 
-`node.pipeline.stage` runs MLX; the node only spawns it (`node.hosted_stages`). Keeping its command
+`node.pipeline.stage` runs MLX; the node only spawns it (`node.hosting.stages`). Keeping its command
 line and ready frame here spares the node process MLX and numpy (~20 MB resident).
 """
 

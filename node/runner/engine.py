@@ -23,9 +23,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from node.cpu.dtype import apply_dtype_policy, rounds_to_int8
+from node.models.generation_config import read_sampling_defaults
 from node.pipeline.shard import LogitsProcessor, Sampler, forcing, logits_processors, request_sampler
 from node.runner.formats import HARMONY_MODEL_TYPES, ChatFormat, PromptError, chat_format_for
-from node.runner.generation_config import read_sampling_defaults
 from node.runner.parsers import ParsedEvent
 from node.runner.stops import StopMatcher
 from protocol.chat import GenerateRequest

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from node.models.generation_config import GENERATION_CONFIG, parse_sampling_defaults, read_sampling_defaults
 from node.models.store import models_dir
-from node.runner.generation_config import GENERATION_CONFIG, parse_sampling_defaults, read_sampling_defaults
 from protocol.manifest import Manifest
 from protocol.sampling import SamplingDefaults
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import trio
 
-from node.cluster_reader import ClusterReader
+from node.cluster.reader import ClusterReader
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster import NotLeaderError
 from protocol.cluster_records import InstanceRecord
@@ -55,7 +55,7 @@ between tries: a node joining or memory freeing up is picked up within a minute.
 
 
 class LeaderCluster(ClusterReader, Protocol):
-    """What the leader reads and writes of the cluster (`node.cluster.ClusterService`)."""
+    """What the leader reads and writes of the cluster (`node.cluster.service.ClusterService`)."""
 
     @property
     def is_leader(self) -> bool: ...

@@ -71,7 +71,7 @@ BREAK_CODES: frozenset[ErrorCode] = frozenset({NODE_UNAVAILABLE, RUNNER_UNAVAILA
 """The instance broke off or cannot be reached: another one, or this one restarted, may take over."""
 WAIT_CODES: frozenset[ErrorCode] = frozenset({MODEL_LOADING, MODEL_NOT_FOUND, TOO_MANY_REQUESTS})
 """Once failing over only: the instance is being re-placed (its record gone for a moment, then its
-runner loading: `node.backend`) or its queue is full (`node.runner.supervisor`); wait and retry."""
+runner loading: `node.serving.backend`) or its queue is full (`node.runner.supervisor`); wait and retry."""
 
 
 def fails_over(error: GenerationError, *, failing_over: bool) -> bool:

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import trio
 
-from node.cluster_reader import ClusterReader
+from node.cluster.reader import ClusterReader
 from node.files import Fetcher, FetchError, FileServer, HashCache, HubRef, Peer, cluster_model_dir
 from node.files.folders import CLUSTER_SUBDIR
 from node.files.hashing import folder_manifest
@@ -75,7 +75,7 @@ it again without hashing. Hidden: never a manifest path, never listed as a model
 
 
 class FilesCluster(ClusterReader, Protocol):
-    """What this module reads of the cluster (`node.cluster.ClusterService`)."""
+    """What this module reads of the cluster (`node.cluster.service.ClusterService`)."""
 
     async def wait_changed(self) -> None: ...
     async def publish_own(self) -> None: ...

@@ -23,17 +23,17 @@ from typing import Any, Protocol
 import trio
 
 from api.backend import ModelCard
-from node.cluster import ClusterService
-from node.cluster_files import files_unavailable, placeable
-from node.failover import Failover, FailoverConfig
-from node.instances import InstanceManager
-from node.leader_control import instance_view
-from node.model_sampling import ModelSampling
+from node.cluster.service import ClusterService
+from node.control.instances import InstanceManager
+from node.control.leader import instance_view
+from node.files.cluster import files_unavailable, placeable
 from node.models import list_local_models
 from node.models.shape import FLOAT_DTYPES, read_safetensors_header
 from node.models.store import dir_size
-from node.routing import GenerationServer
 from node.runner.supervisor import RunnerSupervisor
+from node.serving.failover import Failover, FailoverConfig
+from node.serving.model_sampling import ModelSampling
+from node.serving.routing import GenerationServer
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
@@ -70,7 +70,8 @@ class NodeBackend:
         self._cluster = cluster
         self._instances = instances
         self._remote = instances.loads.counted(remote)
-        """Every request sent to a peer's entry counts against it (replica choice, `node.replica_load`)."""
+        """Every request sent to a peer's entry counts against it (replica choice:
+        `node.hosting.replica_load`)."""
         self._load_wait_s = load_wait_s
         """How long a request waits for an instance placed here to start (`NodeConfig.load_wait_s`)."""
         self._failover = Failover(self._open_on, instances.entry_nodes, self._cancel_running, failover)
@@ -118,7 +119,8 @@ class NodeBackend:
     def _open_on(
         self, entry: NodeId | None, request: GenerateRequest
     ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
-        """One attempt of `node.failover`: on `entry` (None: this node, which says why it has none)."""
+        """One attempt of `node.serving.failover`: on `entry` (None: this node, which says why it
+        has none)."""
         if entry is not None and entry != self._cluster.me:
             return self._remote.open_stream(entry, request)
         return self.open_local_stream(request)

@@ -2,7 +2,7 @@
 
 The asking node reads the model's shape itself (from its `ShapeCache`, resolving the model on a
 miss) and, to place it, hashes its files into a manifest and serves them to the cluster
-(`Describer`, `node.cluster_files`): the leader never resolves a model, and the nodes it places the
+(`Describer`, `node.files.cluster`): the leader never resolves a model, and the nodes it places the
 model on fetch the files from this one. A preview hashes nothing: it sends the manifest only when
 one is known already. Every answer is an outcome of `protocol.control_wire`; one that comes back
 from the network as anything else is `Unavailable`, like a leader that did not answer.
@@ -16,11 +16,11 @@ from typing import Protocol, assert_never
 
 import trio
 
-from node.cluster_files import Described
-from node.cluster_reader import ClusterReader
-from node.leader_control import LeaderControl
-from node.model_finder import ModelFinder
-from node.model_shapes import ShapeCache
+from node.cluster.reader import ClusterReader
+from node.control.finder import ModelFinder
+from node.control.leader import LeaderControl
+from node.control.shapes import ShapeCache
+from node.files.cluster import Described
 from node.models import ModelResolveError
 from node.net.mesh import RequestError
 from protocol.control_wire import (
@@ -64,7 +64,7 @@ its first gossip after its 3 s startup grace."""
 
 
 class AskingCluster(ClusterReader, Protocol):
-    """What an asking node reads of the cluster (`node.cluster.ClusterService`)."""
+    """What an asking node reads of the cluster (`node.cluster.service.ClusterService`)."""
 
     @property
     def decision(self) -> Decision: ...
@@ -77,7 +77,7 @@ class Requester(Protocol):
 
 
 class Describer(Protocol):
-    """Hashes and serves the models this node places (`node.cluster_files.ClusterFiles`)."""
+    """Hashes and serves the models this node places (`node.files.cluster.ClusterFiles`)."""
 
     async def describe(self, source: str) -> Described: ...
     def known(self, source: str) -> Described | None: ...
@@ -122,7 +122,7 @@ class InstanceRequests:
 
         What this node resolves itself (the built-in, a path, a model of its data dir) comes first;
         any other name (one the cluster shows, a repo id) from the node that holds it under that
-        name (`node.model_finder`), else resolved here (a repo id is downloaded). Raises
+        name (`node.control.finder`), else resolved here (a repo id is downloaded). Raises
         `ValueError` (the model does not resolve) or `OSError` (its files are unreadable)."""
         return await self._read_model(source, preview=preview, asked=not await self._resolves_here(source))
 

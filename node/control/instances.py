@@ -1,14 +1,14 @@
 """Instances: the leader places models on nodes; every node runs its part of the instances naming it.
 
 One module per job, composed here:
-- `node.leader_control`: the leader places, previews and deletes instances, and re-places one whose
+- `node.control.leader`: the leader places, previews and deletes instances, and re-places one whose
   node died on the survivors, when it still fits;
-- `node.instance_requests`: what any node asks the leader (`POST /v1/instances`, `shoal run --model X`);
-- `node.hosted_instances`: this node's reconcile of what it runs, one task per instance;
-- `node.hosted_stages`: the pipeline stages it hosts, and their `StageAddress` answers;
-- `node.model_shapes`: model resolution and the shape cache;
-- `node.model_finder`: a model placed by a name only a peer holds, and the answers to such asks;
-- `node.cluster_files`: the model files this node serves, and those it fetches for its stages.
+- `node.control.requests`: what any node asks the leader (`POST /v1/instances`, `shoal run --model X`);
+- `node.hosting.instances`: this node's reconcile of what it runs, one task per instance;
+- `node.hosting.stages`: the pipeline stages it hosts, and their `StageAddress` answers;
+- `node.control.shapes`: model resolution and the shape cache;
+- `node.control.finder`: a model placed by a name only a peer holds, and the answers to such asks;
+- `node.files.cluster`: the model files this node serves, and those it fetches for its stages.
 `InstanceManager.run` serves the control protocol and reconciles (and, on the leader, repairs) at
 each cluster change and at least once a second. A leader change keeps instances: records live in
 the replicated state, not in the leader.
@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from node.cluster import ClusterService
-from node.cluster_files import ClusterFiles
-from node.hosted_instances import HostedInstances
-from node.instance_requests import InstanceRequests
-from node.leader_control import LeaderControl
-from node.model_finder import ModelFinder
-from node.model_shapes import ModelFiles, ShapeCache
+from node.cluster.service import ClusterService
+from node.control.finder import ModelFinder
+from node.control.leader import LeaderControl
+from node.control.requests import InstanceRequests
+from node.control.shapes import ModelFiles, ShapeCache
+from node.files.cluster import ClusterFiles
+from node.hosting.instances import HostedInstances
+from node.hosting.replica_load import ReplicaLoads
 from node.net.mesh import Mesh
-from node.replica_load import ReplicaLoads
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import (

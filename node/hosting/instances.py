@@ -3,8 +3,8 @@
 `reconcile_nowait` compares the records that name this node with what runs here and returns at
 once: it stops what went away or changed, and starts one task per new instance. That task gets the
 model's files (this node's own copy, or those its stage needs fetched from the peers that hold them:
-`node.cluster_files`), then runs the instance's runner, or this node's pipeline stage
-(`node.hosted_stages`); a slow transfer holds up no other instance. Files that cannot be had (no
+`node.files.cluster`), then runs the instance's runner, or this node's pipeline stage
+(`node.hosting.stages`); a slow transfer holds up no other instance. Files that cannot be had (no
 peer holds them, a transfer failed, the disk is full) are tried again after a backoff, not on every
 pass of the caller's loop; the reason shows in the log and, for a transfer, in the cluster view.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from node.files import FetchError
-from node.hosted_stages import (
+from node.hosting.stages import (
     StageMesh,
     StageRoute,
     answer_stage_address,

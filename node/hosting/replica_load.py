@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, _AsyncGeneratorContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, TypeVar
 
-from node.cluster_reader import ClusterReader
+from node.cluster.reader import ClusterReader
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import GenerateRequest
 from protocol.cluster_records import MAX_ENTRY_LOADS, EntryLoad, InstanceRecord, NodeLoad
@@ -24,7 +24,7 @@ from protocol.ids import NodeId, RequestId
 from protocol.replicas import order_replicas, replicas_of
 
 if TYPE_CHECKING:
-    from node.backend import RemoteStreams
+    from node.serving.backend import RemoteStreams
 
 T = TypeVar("T")
 

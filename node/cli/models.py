@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from node.cli.status import get_view
 from node.models import list_local_models
-from node.status import get_view
 from protocol.held_models import ClusterModelsView, HeldModelView
 
 MODELS_PATH = "/v1/cluster/models"

@@ -1,4 +1,4 @@
-"""`ClusterReader`: the part of `node.cluster.ClusterService` most modules read (who this node is,
+"""`ClusterReader`: the part of `node.cluster.service.ClusterService` most modules read (who this node is,
 the replicated state, the membership view), as a Protocol, so that they need not import the
 service (and libp2p) and tests can hand them a plain object."""
 

@@ -6,7 +6,7 @@ must still work. B's own resolution fails, so B asks: first itself (a copy it se
 name, fetched from peers earlier), then the live peers that advertise a model of that name in their
 holdings, then every other live peer. The first that holds it answers with its shape and manifest
 (`ModelDescribed`) and serves its files; B then places it like a model of its own, and the nodes
-placed fetch the files from the holders (`node.cluster_files`).
+placed fetch the files from the holders (`node.files.cluster`).
 
 A peer answers only for what it holds: a model it serves (under its name, or as `cluster/<manifest
 id>`), the built-in model, or a model in its data dir by its plain name. Never a path or a hub
@@ -23,8 +23,8 @@ from typing import Protocol
 
 import trio
 
-from node.cluster_files import Described
-from node.cluster_reader import ClusterReader
+from node.cluster.reader import ClusterReader
+from node.files.cluster import Described
 from node.models import locate_model
 from node.net.mesh import RequestError
 from protocol.control_wire import (
@@ -55,7 +55,7 @@ class Requester(Protocol):
 
 
 class HeldFiles(Protocol):
-    """The models this node serves (`node.cluster_files.ClusterFiles`)."""
+    """The models this node serves (`node.files.cluster.ClusterFiles`)."""
 
     def named(self, name: str) -> tuple[Manifest, Path, str] | None: ...
     async def describe(self, source: str) -> Described: ...
@@ -75,9 +75,9 @@ class ModelFinder:
         self._mesh = mesh
         self._files = files
         self._folder_shape = folder_shape
-        """The shape of a whole folder served as a name (`node.model_shapes.ModelFiles`)."""
+        """The shape of a whole folder served as a name (`node.control.shapes.ModelFiles`)."""
         self._shape = shape
-        """The shape of a reference this node resolves (`node.model_shapes.ShapeCache.get`)."""
+        """The shape of a reference this node resolves (`node.control.shapes.ShapeCache.get`)."""
         self._data_dir = data_dir
 
     async def resolves_here(self, source: str) -> bool:

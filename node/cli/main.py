@@ -101,7 +101,7 @@ def _first_leaf(error: BaseException) -> BaseException:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from node.status import DEFAULT_API, StatusError, show_status
+    from node.cli.status import DEFAULT_API, StatusError, show_status
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
@@ -131,8 +131,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from node.models_cli import show_cluster_models, show_local_models
-    from node.status import DEFAULT_API, StatusError
+    from node.cli.models import show_cluster_models, show_local_models
+    from node.cli.status import DEFAULT_API, StatusError
 
     if args.local or args.data_dir is not None:
         show_local_models(args.data_dir or default_data_dir(), as_json=args.json)
