@@ -146,6 +146,7 @@ async def run_node(config: NodeConfig) -> None:
         api_url = _public_api_url(binds[0], addrs)
         await nursery.start(cluster.run)
         await nursery.start(instances.run)
+        nursery.start_soon(backend.keep_cards)
         if config.model is not None:
             nursery.start_soon(instances.ensure_instance, config.model, config.replicas)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -10,15 +10,11 @@ Instance requests are forwarded to the leader.
 
 from __future__ import annotations
 
-import functools
-import json
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Protocol
 
 import trio
 
@@ -28,11 +24,9 @@ from node.control.instances import InstanceManager
 from node.control.leader import instance_view
 from node.files.cluster import files_unavailable, placeable
 from node.models import list_local_models
-from node.models.shape import FLOAT_DTYPES, read_safetensors_header
-from node.models.store import dir_size
 from node.runner.supervisor import RunnerSupervisor
 from node.serving.failover import Failover, FailoverConfig
-from node.serving.model_sampling import ModelSampling
+from node.serving.model_cards import ModelCards
 from node.serving.routing import GenerationServer
 from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
@@ -47,6 +41,10 @@ from protocol.events import (
 from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView, node_models
 from protocol.ids import NodeId, RequestId
+
+CARDS_REFRESH_S = 10.0
+"""At least this often the model cards' facts are read again: a generation_config.json a card
+lacked may have arrived (`node.serving.model_sampling.RETRY_S` paces the search for it)."""
 
 
 class RemoteStreams(Protocol):
@@ -77,7 +75,7 @@ class NodeBackend:
         self._failover = Failover(self._open_on, instances.entry_nodes, self._cancel_running, failover)
         """Every request this node accepts; it goes on elsewhere when its instance breaks off."""
         self._created = int(time.time())
-        self._sampling = ModelSampling(instances.data_dir)
+        self._cards = ModelCards(instances.data_dir)
         self.serving: GenerationServer | None = None
         """What this node runs for its peers (`serve_generations`), once registered: its counts
         show in `/health`."""
@@ -98,7 +96,7 @@ class NodeBackend:
             runner = self._instances.local_runner(record.model)
             folder = runner.spec.model_path if runner else None
             context = runner.ready_info.context_length if runner and runner.ready_info else None
-            facts = folder_facts(folder) if folder else ModelFacts()
+            facts = self._cards.facts(folder)
             card = ModelCard(
                 id=record.model,
                 created=self._created,
@@ -108,10 +106,22 @@ class NodeBackend:
                 format=facts.format,
                 parameter_count=facts.parameter_count,
                 quantization=facts.quantization,
-                sampling_defaults=self._sampling.defaults(record.manifest, folder),
+                sampling_defaults=self._cards.defaults(record.manifest, folder),
             )
             cards.setdefault(record.model, card)
         return list(cards.values())
+
+    async def keep_cards(self) -> None:
+        """What `models()` shows beyond the records, read off the event loop (`model_cards`): at
+        once, then after each change of what this node hosts or `CARDS_REFRESH_S` at the latest."""
+        while True:
+            sources = []
+            for record in self._instances.records():
+                runner = self._instances.local_runner(record.model)
+                sources.append((record.manifest, runner.spec.model_path if runner else None))
+            await self._cards.refresh(sources)
+            with trio.move_on_after(CARDS_REFRESH_S):
+                await self._instances.wait_hosted_changed()
 
     def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
         return self._failover.open_stream(request)
@@ -218,63 +228,6 @@ class NodeBackend:
             mesh=asdict(self._cluster.mesh.stats),
             generations_for_peers=asdict(self.serving.stats) if self.serving else {},
         )
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a model card says of the model's folder (see `ModelCard`); None where unreadable."""
-
-    size_bytes: int | None = None
-    family: str | None = None
-    format: str | None = None
-    parameter_count: int | None = None
-    quantization: str | None = None
-
-
-@functools.lru_cache(maxsize=64)
-def folder_facts(folder: Path) -> ModelFacts:
-    """Read once per folder (config.json and the safetensors headers, never a tensor: a few ms), so
-    that `models()`, which every request calls, stays a dictionary lookup afterwards."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        tensors: dict[str, dict[str, Any]] = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            tensors.update(read_safetensors_header(path))
-    except (OSError, ValueError):  # ModelShapeError is a ValueError
-        return ModelFacts()
-    if not isinstance(config, dict):
-        return ModelFacts()
-    quant = config.get("quantization") or config.get("quantization_config")
-    bits = quant.get("bits") if isinstance(quant, dict) else None
-    params = 0
-    floats: Counter[str] = Counter()
-    for name, info in tensors.items():
-        module, _, kind = name.rpartition(".")
-        elements = 1
-        for dim in info["shape"]:
-            elements *= int(dim)
-        if f"{module}.scales" in tensors and kind in ("scales", "biases"):
-            continue  # a quantized matrix's scales and biases are not weights of their own
-        own = quant.get(module) if isinstance(quant, dict) else None
-        module_bits = own.get("bits") if isinstance(own, dict) else bits
-        if f"{module}.scales" in tensors and isinstance(module_bits, int) and module_bits > 0:
-            elements = elements * 32 // module_bits  # uint32 words packing 32/bits weights each
-        elif info["dtype"] in FLOAT_DTYPES:
-            floats[info["dtype"]] += elements
-        params += elements
-    quantization: str | None
-    if isinstance(bits, int):
-        quantization = "MXFP4" if isinstance(quant, dict) and quant.get("mode") == "mxfp4" else f"Q{bits}"
-    else:
-        quantization = floats.most_common(1)[0][0] if floats else None
-    model_type = config.get("model_type")
-    return ModelFacts(
-        size_bytes=dir_size(folder),
-        family=model_type if isinstance(model_type, str) else None,
-        format="safetensors" if tensors else None,
-        parameter_count=params or None,
-        quantization=quantization,
-    )
 
 
 @asynccontextmanager
