@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from api import sse
 from api.backend import Backend
-from api.dashboard_state import InstanceStates, placeable_models
+from api.dashboard_state import instance_states, placeable_models
 from api.errors import ApiError
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -63,7 +63,6 @@ async def _read(path: Path) -> bytes:
 class DashboardRoutes:
     def __init__(self, backend: Backend, *, push_interval_s: float = PUSH_INTERVAL_S) -> None:
         self._backend = backend
-        self._states = InstanceStates(backend)
         self._push_interval_s = push_interval_s
 
     def routes(self) -> list[BaseRoute]:
@@ -90,7 +89,7 @@ class DashboardRoutes:
     async def snapshot(self) -> dict[str, Any]:
         """The cluster view, each instance's state, and this node's clock (to age the view)."""
         view = self._backend.cluster()
-        states = await self._states.of(view)
+        states = instance_states(view)
         return {
             "cluster": view.model_dump(mode="json"),
             "instance_states": {iid: status.model_dump(mode="json") for iid, status in states.items()},

@@ -58,11 +58,12 @@ from protocol.codec_fields import (
     wire_list,
     wire_str,
 )
+from protocol.health import RUNNER_STATES
 from protocol.ids import InstanceId, ModelId, NodeId
 
-SCHEMA_VERSION = 5
-"""Bump on any change to a record's or a message's layout. 5: a holding names its model. 4: load
-records. 3: instance records
+SCHEMA_VERSION = 6
+"""Bump on any change to a record's or a message's layout. 6: a load says its runner's state.
+5: a holding names its model. 4: load records. 3: instance records
 carry the model's manifest, shape and hub repo; holdings and transfers records."""
 MAX_MESSAGE_BYTES = 512 * 1024
 """Half of GossipSub's 1 MiB delivery limit; `encode_delta` splits bigger deltas."""
@@ -136,7 +137,7 @@ def _value_to_wire(value: RecordValue | None) -> Any:
         case NodeTransfers():
             return transfers_to_wire(value.transfers)
         case NodeLoad():
-            return [[e.instance_id, e.ready, e.active, e.queued, e.served] for e in value.entries]
+            return [[e.instance_id, e.runner, e.active, e.queued, e.served, e.error] for e in value.entries]
         case _:
             assert_never(value)
 
@@ -316,11 +317,12 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
 
 
 def _entry_load(obj: object) -> EntryLoad:
-    f = wire_list(obj, "load", 5)
-    if type(f[1]) is not bool:
-        raise WireDecodeError("load.ready: expected a bool")
-    counts = (wire_int(f[i], "load count") for i in (2, 3, 4))
-    return EntryLoad(InstanceId(wire_str(f[0], "instance_id")), f[1], *counts)
+    f = wire_list(obj, "load", 6)
+    if f[1] is not None and f[1] not in RUNNER_STATES:
+        raise WireDecodeError("load.runner: expected a runner state or null")
+    active, queued, served = (wire_int(f[i], "load count") for i in (2, 3, 4))
+    instance = InstanceId(wire_str(f[0], "instance_id"))
+    return EntryLoad(instance, f[1], active, queued, served, wire_str(f[5], "load error"))
 
 
 def _kind(obj: object) -> RecordKind:

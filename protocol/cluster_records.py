@@ -1,11 +1,10 @@
 """The records of the cluster state, their owners and their size limits. Pure values, no I/O.
 
-Every record lives under a key `(kind, id)` and is wrapped in an `Entry` that says who wrote it
-(`owner`) and at which `version`. Five kinds are owned by a node (its profile, its liveness claim,
-the model files it holds, those moving to it, and the load of the instances it is the entry of),
-keyed by its id; two by the leader (the leader claim, a singleton, and one record per instance).
-See `protocol.cluster` for how entries merge. Files, transfers and loads are records of their own,
-so the frequent profile and heartbeat writes never carry them, nor they each other.
+Every record lives under a key `(kind, id)` in an `Entry` saying who wrote it (`owner`) and at which
+`version` (merged as `protocol.cluster` says). Five kinds are owned by a node, keyed by its id: its
+profile, liveness claim, model files held, files moving to it, and the load of the instances it is
+the entry of; two by the leader: the leader claim (a singleton) and one record per instance. Files,
+transfers and loads are records of their own, so that frequent writes of one never carry another.
 
 The limits below are enforced when a record is built, so a state never holds a record that the wire
 codec (`protocol.cluster_codec`) would refuse: what one node writes, every node can decode.
@@ -15,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
+from protocol.health import RUNNER_STATES, RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import MAX_MANIFEST_FILES, Manifest, TransferProgress
 from protocol.model_shape import ModelShape
@@ -44,7 +46,7 @@ MAX_HOLDINGS = 32
 MAX_TRANSFERS = 8
 """Transfers to one node shown at once: the running ones and the latest finished."""
 MAX_ERROR_CHARS = 512
-"""Why a transfer failed; longer reasons are cut by the writer."""
+"""Why a transfer or a runner failed; longer reasons are cut by the writer."""
 MANIFEST_ID_CHARS = 64
 """A manifest id is a SHA-256 in hex."""
 MAX_ENTRY_LOADS = 64
@@ -93,6 +95,15 @@ def _check_int(name: str, value: int) -> None:
         raise RecordError(f"{name} must be an integer, not {type(value).__name__}")
     if not 0 <= value <= MAX_INT:
         raise RecordError(f"{name} {value} is out of range [0, {MAX_INT}]")
+
+
+def _check_keyed(name: str, items: object, kind: type, limit: int, key: Callable[[Any], str]) -> None:
+    """`items` is a tuple of at most `limit` `kind` values, sorted by `key`, each key once."""
+    if not isinstance(items, tuple) or len(items) > limit or not all(isinstance(i, kind) for i in items):
+        raise RecordError(f"{name} must be a tuple of at most {limit} {kind.__name__} values")
+    keys = [key(item) for item in items]
+    if keys != sorted(set(keys)):
+        raise RecordError(f"{name} must be sorted by key, each once")
 
 
 def check_node_id(name: str, value: str) -> None:
@@ -153,12 +164,9 @@ class Suspicion:
 
 @dataclass(frozen=True, slots=True)
 class Liveness:
-    """A node's claim to be alive. Its version (incarnation, counter) is the heartbeat.
-
-    `left` is a clean goodbye: observers mark the node left at once instead of suspecting it.
-    `suspects` lists who the owner currently suspects, so that a suspected node hears of it and refutes
-    it by bumping its incarnation (see `ClusterState.with_heartbeat`).
-    """
+    """A node's claim to be alive; its version (incarnation, counter) is the heartbeat. `left` is a
+    clean goodbye (observers mark it left at once); `suspects` lists whom the owner suspects, so that a
+    suspect hears of it and refutes it by bumping its incarnation (`ClusterState.with_heartbeat`)."""
 
     left: bool = False
     suspects: tuple[Suspicion, ...] = ()
@@ -270,13 +278,7 @@ class NodeHoldings:
     models: tuple[Holding, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.models, tuple) or len(self.models) > MAX_HOLDINGS:
-            raise RecordError(f"a node advertises at most {MAX_HOLDINGS} models")
-        if not all(isinstance(h, Holding) for h in self.models):
-            raise RecordError("models must hold Holding values")
-        ids = [h.manifest_id for h in self.models]
-        if ids != sorted(set(ids)):
-            raise RecordError("holdings must be sorted by manifest id, each once")
+        _check_keyed("holdings", self.models, Holding, MAX_HOLDINGS, lambda held: held.manifest_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,19 +309,21 @@ class NodeTransfers:
 
 @dataclass(frozen=True, slots=True)
 class EntryLoad:
-    """How an instance whose first stage runs on the reporting node is doing: whether its runner
-    takes requests, and how many are in it (`active`: running or waiting; `served`: since start)."""
+    """An instance whose first stage runs on the reporting node: its runner's state (None before there
+    is one; `error` if it failed or restarts), requests in it (`active`) and since start (`served`)."""
 
     instance_id: InstanceId
-    ready: bool
+    runner: RunnerState | None
     active: int
     queued: int
     served: int
+    error: str = ""
 
     def __post_init__(self) -> None:
         check_node_id("load instance_id", self.instance_id)
-        if type(self.ready) is not bool:
-            raise RecordError("ready must be a bool")
+        if self.runner is not None and self.runner not in RUNNER_STATES:
+            raise RecordError(f"unknown runner state {self.runner!r}")
+        _check_text("load error", self.error, MAX_ERROR_CHARS)
         for name in ("active", "queued", "served"):
             _check_int(name, getattr(self, name))
 
@@ -331,13 +335,7 @@ class NodeLoad:
     entries: tuple[EntryLoad, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.entries, tuple) or len(self.entries) > MAX_ENTRY_LOADS:
-            raise RecordError(f"a node reports at most {MAX_ENTRY_LOADS} instance loads")
-        if not all(isinstance(e, EntryLoad) for e in self.entries):
-            raise RecordError("entries must hold EntryLoad values")
-        ids = [e.instance_id for e in self.entries]
-        if ids != sorted(set(ids)):
-            raise RecordError("loads must be sorted by instance id, each once")
+        _check_keyed("loads", self.entries, EntryLoad, MAX_ENTRY_LOADS, lambda entry: entry.instance_id)
 
 
 RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord | NodeHoldings | NodeTransfers | NodeLoad

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from protocol.health import RunnerState
 from protocol.manifest import TransferProgress
 
 MemberStatus = Literal["unknown", "alive", "suspect", "dead", "left"]
@@ -62,6 +63,10 @@ class LoadView(_View):
 
     ready: bool
     """Its runner takes requests; requests go to the least loaded ready replica of a model."""
+    runner: RunnerState | None = None
+    """Its runner's state (None: no runner yet: its files or later stages are still coming)."""
+    error: str | None = None
+    """Why the runner failed or restarts."""
     active: int
     """Requests in its runner now, running or waiting."""
     queued: int

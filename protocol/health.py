@@ -7,13 +7,14 @@ readers' type check, not a dict lookup at run time in another process.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
 RunnerState = Literal["starting", "ready", "restarting", "failed"]
 """A runner's life (`node.runner.supervisor`): loading, serving, loading again after a crash, or
 given up (its `error` says why)."""
+RUNNER_STATES: tuple[RunnerState, ...] = get_args(RunnerState)
 
 
 class RunnerHealth(BaseModel):

@@ -85,7 +85,7 @@ def replicas_of(
             Replica(
                 record.instance_id,
                 entry,
-                ready=reported is not None and reported.ready,
+                ready=reported is not None and reported.runner == "ready",
                 load=max(active, dispatched.get(entry, 0)),
                 alive=entry == me or entry in alive,
                 sent=(sent or {}).get(entry, 0),
@@ -100,5 +100,10 @@ def load_view(record: InstanceRecord, loads: Mapping[NodeId, NodeLoad]) -> LoadV
     if reported is None:
         return None
     return LoadView(
-        ready=reported.ready, active=reported.active, queued=reported.queued, served=reported.served
+        ready=reported.runner == "ready",
+        runner=reported.runner,
+        error=reported.error or None,
+        active=reported.active,
+        queued=reported.queued,
+        served=reported.served,
     )

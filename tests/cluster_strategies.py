@@ -24,6 +24,7 @@ from protocol.cluster_records import (
     StageAssignment,
     Suspicion,
 )
+from protocol.health import RUNNER_STATES
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import FileEntry, TransferProgress, manifest_of
 from protocol.model_shape import ModelShape
@@ -98,7 +99,15 @@ transfers = st.builds(
 loads = st.builds(
     NodeLoad,
     st.lists(
-        st.builds(EntryLoad, st.sampled_from(INSTANCES), st.booleans(), small, small, small),
+        st.builds(
+            EntryLoad,
+            st.sampled_from(INSTANCES),
+            st.sampled_from((None, *RUNNER_STATES)),
+            small,
+            small,
+            small,
+            st.sampled_from(("", "out of memory")),
+        ),
         max_size=2,
         unique_by=lambda e: e.instance_id,
     ).map(lambda es: tuple(sorted(es, key=lambda e: e.instance_id))),

@@ -10,10 +10,10 @@ import pytest
 import trio
 import trio.testing
 
-from api.dashboard_state import InstanceStates, instance_status, placeable_models
-from protocol.cluster_view import ClusterView, InstanceView, MemberView, ModelFileView, StageView
+from api.dashboard_state import instance_states, instance_status, placeable_models
+from protocol.cluster_view import ClusterView, InstanceView, LoadView, MemberView, ModelFileView, StageView
 from protocol.control_wire import Invalid, Placed, PlaceOutcome, Unavailable
-from protocol.health import NodeHealth, RunnerHealth
+from protocol.health import NodeHealth, RunnerHealth, RunnerState
 
 ME, PEER = "12D3KooWme", "12D3KooWpeer"
 
@@ -39,38 +39,53 @@ def member(node: str) -> MemberView:
     )
 
 
-RUNNER = RunnerHealth(model="m", state="ready")
-
-
-def runner(**fields: Any) -> RunnerHealth:
-    return RUNNER.model_copy(update=fields)
+def loaded(runner: RunnerState | None, error: str | None = None) -> LoadView:
+    return LoadView(ready=runner == "ready", runner=runner, error=error, active=0, queued=0, served=0)
 
 
 @pytest.mark.parametrize(
-    ("runners", "state", "error"),
+    ("load", "entry", "state", "error"),
     [
-        (None, "unknown", "its first node's API does not answer"),
-        ([], "loading", None),
-        ([runner(model="other")], "loading", None),
-        ([RUNNER], "ready", None),
-        ([runner(state="starting")], "loading", None),
-        ([runner(state="restarting")], "loading", "the runner is restarting"),
-        ([runner(state="failed", error="out of memory")], "failed", "out of memory"),
-        ([runner(state="failed")], "failed", "the model failed"),
+        (loaded("ready"), "dead", "unknown", "its first node is dead"),
+        (None, "alive", "loading", None),
+        (loaded(None), "suspect", "loading", None),
+        (loaded("ready"), "alive", "ready", None),
+        (loaded("starting"), "alive", "loading", None),
+        (loaded("restarting"), "alive", "loading", "the runner is restarting"),
+        (loaded("failed", "out of memory"), "alive", "failed", "out of memory"),
+        (loaded("failed"), "alive", "failed", "the model failed"),
     ],
 )
-def test_instance_status_from_runners(
-    runners: list[RunnerHealth] | None, state: str, error: str | None
+def test_instance_status_from_what_its_entry_gossips(
+    load: LoadView | None, entry: str, state: str, error: str | None
 ) -> None:
-    status = instance_status(instance("i", "m", ME), runners)
+    status = instance_status(instance("i", "m", ME).model_copy(update={"load": load}), entry)
     assert (status.state, status.error) == (state, error)
 
 
 def test_what_the_files_say_counts_until_the_runner_is_ready() -> None:
     moving = instance("i", "m", ME).model_copy(update={"state": "failed", "error": "no peer has the files"})
-    assert instance_status(moving, []).model_dump() == {"state": "failed", "error": "no peer has the files"}
-    assert instance_status(moving, None).state == "failed"
-    assert instance_status(moving, [RUNNER]).state == "ready"
+    assert instance_status(moving).model_dump() == {"state": "failed", "error": "no peer has the files"}
+    assert instance_status(moving, "dead").state == "failed"
+    assert instance_status(moving.model_copy(update={"load": loaded("ready")})).state == "ready"
+
+
+def test_every_instance_of_a_view_gets_its_state_without_asking_anyone() -> None:
+    view = FakeBackend().view.model_copy(
+        update={
+            "members": (member(ME), member(PEER).model_copy(update={"status": "dead"})),
+            "instances": (
+                instance("here", "a", ME).model_copy(update={"load": loaded("ready")}),
+                instance("there", "b", PEER).model_copy(update={"load": loaded("ready")}),
+                instance("gone", "c", "12D3KooWnever"),
+            ),
+        }
+    )
+    assert {k: v.state for k, v in instance_states(view).items()} == {
+        "here": "ready",
+        "there": "unknown",
+        "gone": "unknown",
+    }
 
 
 class FakeBackend:
@@ -103,32 +118,6 @@ class FakeBackend:
             await trio.sleep_forever()
         assert outcome is not None
         return outcome
-
-
-def test_peers_are_asked_once_per_ttl_and_a_silent_one_is_unknown() -> None:
-    asked: list[str] = []
-    answers: dict[str, Any] = {"b": "ready"}
-
-    async def fetch(url: str) -> list[RunnerHealth]:
-        asked.append(url)
-        if answers["b"] is None:
-            raise OSError("connection refused")
-        return [RunnerHealth(model="b", state=answers["b"])]
-
-    async def main() -> None:
-        backend = FakeBackend()
-        states = InstanceStates(backend, fetch=fetch)  # type: ignore[arg-type]
-        first = await states.of(backend.view)
-        assert {k: v.state for k, v in first.items()} == {"here": "ready", "there": "ready"}
-        answers["b"] = None
-        await states.of(backend.view)  # within the TTL: the cached answer, not a second request
-        assert asked == [f"http://{PEER}.test:1"]
-        await trio.sleep(1.5)
-        later = await states.of(backend.view)
-        assert later["there"].state == "unknown" and later["here"].state == "ready"
-        assert len(asked) == 2
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_models_list_their_fit_from_the_preview() -> None:

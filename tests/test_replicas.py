@@ -11,6 +11,7 @@ from protocol.cluster import ClusterState
 from protocol.cluster_codec import Delta, WireDecodeError, decode_message, encode_message
 from protocol.cluster_records import EntryLoad, InstanceRecord, NodeLoad, RecordError, StageAssignment
 from protocol.control_wire import ControlWireError, Exists, Invalid, Placed, decode_control, encode_control
+from protocol.health import RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.placement import MAX_REPLICAS, PlacementError, place_replicas
 from protocol.replicas import Replica, load_view, order_replicas, replicas_of
@@ -49,7 +50,12 @@ def record(iid: str, *nodes: NodeId, model: str = "m") -> InstanceRecord:
 
 
 def load(*entries: tuple[str, bool, int]) -> NodeLoad:
-    return NodeLoad(tuple(EntryLoad(InstanceId(i), ready, active, 0, active) for i, ready, active in entries))
+    def runner(ready: bool) -> RunnerState:
+        return "ready" if ready else "starting"
+
+    return NodeLoad(
+        tuple(EntryLoad(InstanceId(i), runner(ok), active, 0, active) for i, ok, active in entries)
+    )
 
 
 def test_replicas_of_takes_the_larger_of_the_report_and_what_this_node_sent() -> None:
@@ -81,14 +87,19 @@ def test_place_replicas_uses_disjoint_nodes_as_many_as_fit() -> None:
 
 
 def test_the_load_record_round_trips_and_hostile_ones_are_refused() -> None:
-    state = ClusterState.empty().with_load(A, load(("i1", True, 2), ("i2", False, 0)))
+    failed = EntryLoad(InstanceId("i3"), "failed", 0, 0, 1, error="out of memory")
+    none_yet = EntryLoad(InstanceId("i4"), None, 0, 0, 0)
+    loads = NodeLoad((*load(("i1", True, 2), ("i2", False, 0)).entries, failed, none_yet))
+    state = ClusterState.empty().with_load(A, loads)
     decoded = decode_message(encode_message(Delta(state)))
     assert isinstance(decoded, Delta) and decoded.state.loads() == state.loads()
     with pytest.raises(RecordError):
         load(("i2", True, 0), ("i1", True, 0))  # unsorted
     with pytest.raises(RecordError):
-        EntryLoad(InstanceId("i1"), True, -1, 0, 0)
-    wire = encode_message(Delta(state)).replace(b"\xf5", b"\x01")  # ready: true -> 1
+        EntryLoad(InstanceId("i1"), "ready", -1, 0, 0)
+    with pytest.raises(RecordError):
+        EntryLoad(InstanceId("i1"), "sleeping", 0, 0, 0)  # type: ignore[arg-type]
+    wire = encode_message(Delta(state)).replace(b"ready", b"reaxy")  # no runner state
     with pytest.raises(WireDecodeError):
         decode_message(wire)
 

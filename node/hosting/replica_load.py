@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 from node.cluster.reader import ClusterReader
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import GenerateRequest
-from protocol.cluster_records import MAX_ENTRY_LOADS, EntryLoad, InstanceRecord, NodeLoad
+from protocol.cluster_records import MAX_ENTRY_LOADS, MAX_ERROR_CHARS, EntryLoad, InstanceRecord, NodeLoad
 from protocol.events import ChunkEvent
 from protocol.ids import NodeId, RequestId
 from protocol.replicas import order_replicas, replicas_of
@@ -122,14 +122,15 @@ class ReplicaLoads:
             if record.stages[0].node != me:
                 continue
             runner = self._local_runner(record.model)
-            queued = runner.health().queued_requests if runner is not None else 0
+            health = runner.health() if runner is not None else None
             entries.append(
                 EntryLoad(
                     record.instance_id,
-                    ready=runner is not None and runner.state == "ready",
+                    runner=health.state if health is not None else None,
                     active=self.counts.active(record.model, me),
-                    queued=queued,
+                    queued=health.queued_requests if health is not None else 0,
                     served=self.counts.opened(record.model, me),
+                    error=(health.error or "")[:MAX_ERROR_CHARS] if health is not None else "",
                 )
             )
         return NodeLoad(tuple(entries[:MAX_ENTRY_LOADS]))
