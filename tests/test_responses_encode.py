@@ -261,7 +261,7 @@ def test_no_output_still_answers_one_empty_message() -> None:
 
 
 def test_error_after_start_is_response_failed_the_sdk_reads() -> None:
-    error = GenerationError(error_kind="server_error", message="runner died", code="runner_crashed")
+    error = GenerationError(error_kind="server_error", message="runner died", code="runner_unavailable")
     frames = _stream([TextDelta(text="par"), error])
     events = _sse_events(frames)
     assert [event["type"] for event in events[-4:]] == [

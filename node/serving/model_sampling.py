@@ -9,8 +9,9 @@ instance's manifest says whether the model has a generation_config.json and its 
     `models/cluster/`): its content, checked by hash, gives the defaults;
   - otherwise the card says nothing (None): only the nodes that hold the files can tell.
 
-Content-addressed, so a found file is read once; a hash not found is looked for again after
-`RETRY_S` (files may arrive meanwhile), so `models()`, which every request calls, stays cheap.
+Content-addressed, so a found file is read once; a hash not found is looked for in the data dir
+again after `RETRY_S` (files may arrive meanwhile), and in the entry runner's folder whenever this
+node has one. `node.serving.model_cards` calls this off the event loop.
 """
 
 from __future__ import annotations
@@ -56,20 +57,23 @@ class ModelSampling:
         if (known := self._by_hash.get(entry.sha256)) is not None:
             return known
         now = self._clock()
-        if now - self._missing.get(entry.sha256, -RETRY_S) < RETRY_S:
-            return None
-        for path in self._candidates(folder):
+        searched = now - self._missing.get(entry.sha256, -RETRY_S) < RETRY_S
+        for path in self._candidates(folder, search=not searched):
             data = _small_file(path, entry.size)
             if data is not None and hashlib.sha256(data).hexdigest() == entry.sha256:
                 found = self._by_hash[entry.sha256] = parse_sampling_defaults(data, origin=path)
                 self._missing.pop(entry.sha256, None)
                 return found
-        self._missing[entry.sha256] = now
+        if not searched:
+            self._missing[entry.sha256] = now
         return None
 
-    def _candidates(self, folder: Path | None) -> Iterator[Path]:
+    def _candidates(self, folder: Path | None, *, search: bool) -> Iterator[Path]:
+        """The runner's folder always (one stat); the data dir's folders when `search`."""
         if folder is not None:
             yield folder / GENERATION_CONFIG
+        if not search:
+            return
         root = models_dir(self._data_dir)
         for pattern in (f"*/{GENERATION_CONFIG}", f"*/*/{GENERATION_CONFIG}"):
             yield from sorted(root.glob(pattern))
