@@ -23,27 +23,22 @@
  * Knobs (environment): SHOAL_BLAS_THREADS (pool size, default 1), SHOAL_SHIM_GEMV=0 (every product
  * to OpenBLAS sgemm as is), SHOAL_SHIM_KERNEL=avx2|openblas (force a matrix-vector kernel: tests).
  *
- * Build (the Makefile's `install` does): cc -O2 -shared -fPIC -o libshoal_blas_shim.so sgemm_shim.c -ldl
- *   -lpthread -DSHOAL_OPENBLAS_DEFAULT='"/path/to/libscipy_openblas.so"'
+ * Build (native/CMakeLists.txt does): cc -O2 -shared -fPIC -o libshoal_blas_shim.so sgemm_shim.c
+ *   task_pool.c -ldl -lpthread -DSHOAL_OPENBLAS_DEFAULT='"/path/to/libscipy_openblas.so"'
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <link.h>
 #include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #if defined(__x86_64__) && !defined(SHOAL_NO_SIMD)
 #include <immintrin.h>
 #define SHOAL_X86 1
-#define cpu_relax() _mm_pause()
 #else /* elsewhere (e.g. aarch64) OpenBLAS's sgemv does the matrix-vector products */
 #define SHOAL_X86 0
-#define cpu_relax() __asm__ __volatile__("" ::: "memory")
 #endif
 
 #ifndef SHOAL_OPENBLAS_DEFAULT
@@ -133,49 +128,36 @@ static int rows_product(const float *A, int lda, const float *B, int ldb, float 
     const float *XI = interleave(A, lda, M, K);
     if (XI == NULL)
         return 0;
-    if ((long)N * K < PARALLEL_MIN_FLOATS || N < 64 || !take_pool()) {
+    struct product job = {.kind = ROWS, .A = A, .lda = lda, .XI = XI, .B = B, .ldb = ldb, .C = C,
+                          .ldc = ldc, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta};
+    if ((long)N * K < PARALLEL_MIN_FLOATS || N < 64 || !run_parallel(&job, N, 16))
         dot_rows(B, ldb, XI, A, lda, C, ldc, M, 0, N, K, alpha, beta);
-        return 1;
-    }
-    job.kind = ROWS, job.A = A, job.lda = lda, job.XI = XI, job.B = B, job.ldb = ldb, job.C = C;
-    job.ldc = ldc, job.M = M, job.N = N, job.K = K, job.alpha = alpha, job.beta = beta;
-    run_parallel(N, 16);
-    release_pool();
     return 1;
 }
 
 /* Row-major sgemm on the pool: split the longer of M and N into blocks. */
 static void gemm_product(int transA, int transB, int M, int N, int K, float alpha, const float *A,
                          int lda, const float *B, int ldb, float beta, float *C, int ldc) {
-    if ((double)M * N * K < PARALLEL_MIN_MACS || (M < 64 && N < 64) || !take_pool()) {
+    struct product job = {.kind = N >= M ? GEMM_COLUMNS : GEMM_ROWS, .transA = transA, .transB = transB,
+                          .M = M, .N = N, .K = K, .A = A, .lda = lda, .B = B, .ldb = ldb, .C = C,
+                          .ldc = ldc, .alpha = alpha, .beta = beta};
+    /* OpenBLAS packs A (or B) again for every block, hence the larger minimum. */
+    if ((double)M * N * K < PARALLEL_MIN_MACS || (M < 64 && N < 64) || !run_parallel(&job, N >= M ? N : M, 64))
         real_sgemm(RowMajor, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-        return;
-    }
-    job.kind = N >= M ? GEMM_COLUMNS : GEMM_ROWS, job.transA = transA, job.transB = transB;
-    job.M = M, job.N = N, job.K = K, job.A = A, job.lda = lda, job.B = B, job.ldb = ldb;
-    job.C = C, job.ldc = ldc, job.alpha = alpha, job.beta = beta;
-    run_parallel(N >= M ? N : M, 64); /* OpenBLAS packs A (or B) again for every block */
-    release_pool();
 }
 
-static void single_threaded_after_fork(void) { pool_threads = 1; } /* the workers stayed behind */
+static void single_threaded_after_fork(void) { /* the workers stayed behind */
+    if (pool != NULL)
+        shoal_pool_after_fork(pool);
+}
 
 static void start_pool(void) {
     const char *env = getenv("SHOAL_BLAS_THREADS");
     int threads = env && env[0] ? atoi(env) : 1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     pthread_atfork(NULL, NULL, single_threaded_after_fork);
-    for (int i = 1; i < threads; i++) {
-        pthread_t thread;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&thread, &attr, worker, NULL);
-        pthread_attr_destroy(&attr);
-        if (failed)
-            break;
-        pool_threads = i + 1;
-    }
+    if (threads > 1)
+        pool = shoal_pool_start(threads, PAUSE_SPINS, SPIN_NS);
 }
 
 /* ---------------------------------------------------------------- setup and fallback ----------- */
