@@ -99,11 +99,12 @@ def manifest_from_wire(obj: object) -> Manifest | None:
     f = wire_list(obj, "manifest", 3)
     files = wire_list(f[1], "manifest files", limit=MAX_MANIFEST_FILES)
     try:
-        return Manifest(
-            version=wire_int(f[0], "manifest version"),  # pydantic checks the Literal
-            files=tuple(_file_from_wire(item) for item in files),
-            derived_from=_file_from_wire(f[2]) if f[2] is not None else None,
-        )
+        fields = {
+            "version": wire_int(f[0], "manifest version"),  # pydantic checks the Literal
+            "files": tuple(_file_from_wire(item) for item in files),
+            "derived_from": _file_from_wire(f[2]) if f[2] is not None else None,
+        }
+        return Manifest.model_validate(fields)
     except ValidationError as exc:
         raise WireDecodeError(f"invalid manifest: {exc.errors()[0]['msg']}") from exc
 
@@ -194,21 +195,20 @@ def transfers_from_wire(obj: object) -> tuple[TransferProgress, ...]:
     for item in wire_list(obj, "transfers", limit=MAX_TRANSFERS):
         f = wire_list(item, "transfer", 11)
         try:
-            out.append(
-                TransferProgress(
-                    manifest_id=wire_str(f[0], "manifest id"),
-                    model=wire_str(f[1], "model"),
-                    source=wire_str(f[2], "source"),  # pydantic checks the Literals
-                    state=wire_str(f[3], "state"),
-                    bytes_done=wire_int(f[4], "bytes done"),
-                    bytes_total=wire_int(f[5], "bytes total"),
-                    rate_bps=wire_float(f[6], "rate"),
-                    files_done=wire_int(f[7], "files done"),
-                    files_total=wire_int(f[8], "files total"),
-                    peers=wire_int(f[9], "peers"),
-                    error=wire_str(f[10], "error") if f[10] is not None else None,
-                )
-            )
+            fields = {
+                "manifest_id": wire_str(f[0], "manifest id"),
+                "model": wire_str(f[1], "model"),
+                "source": wire_str(f[2], "source"),  # pydantic checks the Literals
+                "state": wire_str(f[3], "state"),
+                "bytes_done": wire_int(f[4], "bytes done"),
+                "bytes_total": wire_int(f[5], "bytes total"),
+                "rate_bps": wire_float(f[6], "rate"),
+                "files_done": wire_int(f[7], "files done"),
+                "files_total": wire_int(f[8], "files total"),
+                "peers": wire_int(f[9], "peers"),
+                "error": wire_str(f[10], "error") if f[10] is not None else None,
+            }
+            out.append(TransferProgress.model_validate(fields))
         except ValidationError as exc:
             raise WireDecodeError(f"invalid transfer: {exc.errors()[0]['msg']}") from exc
     return tuple(out)

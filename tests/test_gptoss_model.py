@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ def loaded(scripted_gptoss_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return load_model(scripted_gptoss_dir, vocab_dir=vocab)
 
 
-def _request(text: str, params: SamplingParams, **fields: object) -> GenerateRequest:
+def _request(text: str, params: SamplingParams, **fields: Any) -> GenerateRequest:
     return GenerateRequest(
         request_id=RequestId("r"),
         model=ModelId("scripted-gpt-oss"),

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,7 +165,7 @@ def test_stage_paths_add_the_small_files_and_check_the_index() -> None:
 
 
 def test_transfer_progress_fraction() -> None:
-    base = {
+    base: dict[str, Any] = {
         "manifest_id": "",
         "model": "m",
         "source": "peers",
