@@ -9,7 +9,6 @@ leader's preview, the same one `GET /v1/instances/preview` asks.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,8 +18,6 @@ from api.backend import Backend
 from protocol.cluster_view import ClusterView, InstanceStatusView, InstanceView, LoadView
 from protocol.control_wire import Exists, Invalid, NotFound, Placed, PlaceOutcome, Unavailable
 from protocol.health import RunnerState
-
-log = logging.getLogger(__name__)
 
 PREVIEW_TIMEOUT_S = 10.0
 """A preview reads the model's shape (a config.json) and asks the leader: seconds at worst."""

@@ -46,7 +46,8 @@ class Kind(IntEnum):
     """Frame kinds. The numbers are on the wire: ONLY APPEND TO THIS LIST."""
 
     HELLO = 1
-    """First frame on a new link; meta: {"layer": first layer the receiver must run, ...}."""
+    """First frame on a new link; meta: {"route": the later hops' HOST:PORT, ...}. Which layer the
+    receiver starts at is proven by the link's handshake (`link_auth`), not said here."""
     PREFILL = 2
     """A prompt chunk (token ids for the first stage, hidden states after): fill the caches."""
     DECODE = 3

@@ -164,7 +164,7 @@ class OutLink:
             if self._error is not None:
                 raise _detached(self._error)
             if self._cipher is not None:  # sealed in send order: the counter is the nonce
-                sealed = self._cipher.seal(b"".join(buffers)[PREFIX.size :])
+                sealed = self._cipher.seal(memoryview(b"".join(buffers))[PREFIX.size :])
                 buffers = [prefix(len(sealed), MAX_FRAME_BYTES + TAG_BYTES), sealed]
             try:
                 for buffer in buffers:

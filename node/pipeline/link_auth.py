@@ -97,25 +97,25 @@ class FrameCipher:
     """AES-GCM over one direction of one link, frames in order: `seal` sends, `open` receives."""
 
     def __init__(self, key: bytes) -> None:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # only sealed links need it
+        from cryptography.exceptions import InvalidTag  # only sealed links need the library
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         self._aead = AESGCM(key)
+        self._invalid = InvalidTag
         self._count = 0
 
     def _nonce(self) -> bytes:
         self._count += 1
         return self._count.to_bytes(12, "big")
 
-    def seal(self, plaintext: bytes | bytearray) -> bytes:
+    def seal(self, plaintext: bytes | bytearray | memoryview) -> bytes:
         return self._aead.encrypt(self._nonce(), plaintext, None)
 
     def open(self, sealed: bytes | bytearray) -> bytes:
         """The frame's bytes; `FrameError` when it was not sealed by the other end, in this order."""
-        from cryptography.exceptions import InvalidTag
-
         try:
             return self._aead.decrypt(self._nonce(), sealed, None)
-        except InvalidTag:
+        except self._invalid:
             raise FrameError("a frame failed authentication (altered, replayed or out of order)") from None
 
 

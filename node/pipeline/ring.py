@@ -1,12 +1,12 @@
 """The driver's side of the ring: its two links and the bookkeeping of requests on them.
 
 The driver dials stage 1 (an `OutLink`) and sends it HELLO with the route through the other
-stages; the last stage dials back (an `InLink` admitted here by the `Gate`) with a HELLO saying
-where the ring ends, which must be the model's last layer. Both links prove the instance's key
-first (`link_auth`). Frames of an earlier request still in flight are
-dropped on receipt, and a request's RESET/CANCEL echo is read before the next request starts, so
-each request sees a clean ring. Any link failure is a `HopError`; after one the links are closed
-(every stage then drops its caches) and the next `connect` forms a new ring.
+stages; the last stage dials back (an `InLink` admitted here by the `Gate`) and says HELLO. Both
+links prove the instance's key first (`link_auth`), bound to the layer where they cut the model: the
+gate admits only a last stage that ends at the model's last layer. Frames of an earlier request
+still in flight are dropped on receipt, and a request's RESET/CANCEL echo is read before the next
+request starts, so each request sees a clean ring. Any link failure is a `HopError`; after one the
+links are closed (every stage then drops its caches) and the next `connect` forms a new ring.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Ring:
     ) -> None:
         self._stages = [(str(h), int(p)) for h, p in stages]
         self._security = security
-        self._end_layer, self._num_layers = end_layer, num_layers
+        self._end_layer = end_layer
         self._hop_timeout = hop_timeout
         self._connect_timeout = connect_timeout
         self._listener = listen(host, port)
@@ -76,7 +76,7 @@ class Ring:
                 on_broken=self._broken,
             )
             route = [f"{host}:{port}" for host, port in [*self._stages[1:], self.listen_address]]
-            self._out.send(Frame(Kind.HELLO, meta={"layer": self._end_layer, "route": route}))
+            self._out.send(Frame(Kind.HELLO, meta={"route": route}))
             self._in = self._accept_last_stage(time.monotonic() + self._connect_timeout)
             log.info(
                 "pipeline ring up: %d stages, layers [0, %d) here", len(self._stages) + 1, self._end_layer
@@ -96,13 +96,7 @@ class Ring:
                 hello = link.recv(timeout=self._hop_timeout)
             except HopError:
                 hello = None  # a connection from an earlier, broken ring
-            if hello is not None and hello.kind == Kind.HELLO:
-                if hello.meta.get("layer") != self._num_layers:
-                    link.close()
-                    raise HopError(
-                        f"the ring ends at layer {hello.meta.get('layer')}, "
-                        f"the model has {self._num_layers}: a stage is missing"
-                    )
+            if hello is not None and hello.kind == Kind.HELLO:  # its layer: the gate checked it
                 return link
             link.close()
 

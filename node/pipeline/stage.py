@@ -142,12 +142,7 @@ class StageServer:
         try:
             hello = inbound.recv(timeout=self._hop_timeout)
             if hello is None or hello.kind != Kind.HELLO:
-                raise HopError("the previous stage did not say HELLO")
-            if hello.meta.get("layer") != self.shard.spec.start:
-                raise HopError(
-                    f"the previous stage ends at layer {hello.meta.get('layer')}, "
-                    f"this one starts at {self.shard.spec.start}"
-                )
+                raise HopError("the previous stage did not say HELLO")  # its layer: the gate checked it
             route = [str(hop) for hop in hello.meta.get("route", [])]
             if not route:
                 raise HopError("the HELLO carries no route to the next stage")
@@ -162,9 +157,7 @@ class StageServer:
                 send_timeout=self._hop_timeout,
                 on_broken=inbound.fail,
             )
-            outbound.send(
-                Frame(Kind.HELLO, meta={**hello.meta, "layer": self.shard.spec.end, "route": route[1:]})
-            )
+            outbound.send(Frame(Kind.HELLO, meta={**hello.meta, "route": route[1:]}))
             log.info("%s: ring up (next: %s:%d)", self._name, *target)
             while not self._stop.is_set():
                 frame = inbound.recv(timeout=ACCEPT_POLL)
