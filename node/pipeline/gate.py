@@ -22,7 +22,8 @@ log = logging.getLogger("shoal.pipeline")
 MAX_PENDING = 8
 """Handshakes in flight at once: a ring needs one, a restart or two more; the rest is a flood."""
 ACCEPT_POLL = 0.2
-"""Seconds between checks of the closed flag while no connection comes."""
+"""Seconds between checks of a closed or stop flag while no connection (or frame) comes: here and in
+`node.pipeline.stage`, which polls its gate and its link with it."""
 
 Admitted = tuple[socket.socket, FrameCipher | None]
 """A connection that passed the handshake, and the cipher that opens its frames (None: clear)."""

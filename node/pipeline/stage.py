@@ -43,7 +43,7 @@ import mlx.core as mx
 
 from node.children.process import exit_when_orphaned
 from node.pipeline.frames import Frame, Kind
-from node.pipeline.gate import Gate
+from node.pipeline.gate import ACCEPT_POLL, Gate
 from node.pipeline.hop import (
     CONNECT_TIMEOUT,
     HOP_TIMEOUT,
@@ -64,8 +64,6 @@ log = logging.getLogger("shoal.pipeline")
 MAX_LIVE_REQUESTS = 16
 """Caches kept at once; the oldest is dropped beyond this (a driver that lost track of a request).
 The driver runs one request at a time, so normally there is one."""
-ACCEPT_POLL = 0.2
-"""Seconds between checks of the stop flag while waiting for an upstream connection."""
 
 
 class StepError(Exception):
