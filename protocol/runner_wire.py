@@ -108,6 +108,9 @@ class Ready(WireMessage):
     model_type: str
     context_length: int
     pid: int
+    ring_port: int | None = None
+    """Pipeline mode: the port where the driver accepts the last stage, which the node answers
+    that stage's node with (`node.hosting.stages`); None otherwise."""
 
 
 class RequestEvent(WireMessage):

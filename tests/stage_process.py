@@ -50,16 +50,25 @@ def spawn_stage(
     hop_timeout: float = HOP_TIMEOUT,
     env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
+    next_from_stdin: bool = False,
 ) -> StageProcess:
     """Start a stage process on 127.0.0.1, any free port; returns at once (call `wait_ready` next).
 
     Starting several stages and then waiting for all loads them in parallel. `die_with_parent`
     ends the stage when this process dies, even by SIGKILL: at once on Linux, within
-    `node.children.process.PARENT_POLL` elsewhere.
+    `node.children.process.PARENT_POLL` elsewhere. `next_from_stdin`: as a node starts it, its next
+    hop from `NextHop` frames written to `process.stdin`.
     """
     parent_pid = os.getpid() if die_with_parent else None
-    command = stage_command(model_path, start=start, end=end, hop_timeout=hop_timeout, parent_pid=parent_pid)
-    process = spawn(command, env=env, stdin=False, die_with_parent=die_with_parent)
+    command = stage_command(
+        model_path,
+        start=start,
+        end=end,
+        hop_timeout=hop_timeout,
+        parent_pid=parent_pid,
+        next_from_stdin=next_from_stdin,
+    )
+    process = spawn(command, env=env, stdin=next_from_stdin, die_with_parent=die_with_parent)
     return StageProcess(process, ("127.0.0.1", 0), start, -1 if end is None else end)
 
 

@@ -1,7 +1,11 @@
 """The stranger on real nodes: with a cluster secret, a process that is no member connects to the
 second stage of a 2-stage instance and sends a well-formed HELLO whose route names its own listener,
 another connects and stays silent, and then the first stage's runner is killed (a ring break). The
-stage dials no stranger, is never held by one, and the instance answers as before."""
+stage dials no stranger, is never held by one, and the instance answers as before.
+
+Without a secret the link key follows from the cluster's name, so a stranger can pass for the
+previous stage (the README says so); even then its HELLO's route steers nothing: a stage sends
+only where its node, asking the mesh, says."""
 
 from __future__ import annotations
 
@@ -16,27 +20,40 @@ import httpx
 import psutil
 import pytest
 
+from node.net.auth import derive_key
 from node.pipeline.frames import Frame, Kind, encode_frame
-from node.pipeline.link_auth import AUTH_TIMEOUT
+from node.pipeline.hop import OutLink, dial_member
+from node.pipeline.link_auth import AUTH_TIMEOUT, LinkSecurity
 from tests.nodes import RunningNode, agreed_leader, start_node
 from tests.test_instances import _tokens
 from tests.waiting import wait_until
 
-COMMON = ("--cluster", "links-e2e", "--cluster-secret", "the stage links' secret")
+CLUSTER = "links-e2e"
+COMMON = ("--cluster", CLUSTER, "--cluster-secret", "the stage links' secret")
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[list[RunningNode]]:
-    """Two model-less nodes of one cluster with a secret."""
-    first = start_node(*COMMON, data_dir=tmp_path / "n0", model=None)
+def _pair(tmp_path: Path, *common: str) -> Iterator[list[RunningNode]]:
+    first = start_node(*common, data_dir=tmp_path / "n0", model=None)
     nodes = [first]
     try:
-        nodes.append(start_node(*COMMON, "--peer", first.p2p_addr, data_dir=tmp_path / "n1", model=None))
+        nodes.append(start_node(*common, "--peer", first.p2p_addr, data_dir=tmp_path / "n1", model=None))
         wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 20, "a leader agreed")
         yield nodes
     finally:
         for node in nodes:
             node.stop()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[list[RunningNode]]:
+    """Two model-less nodes of one cluster with a secret."""
+    yield from _pair(tmp_path, *COMMON)
+
+
+@pytest.fixture
+def open_pair(tmp_path: Path) -> Iterator[list[RunningNode]]:
+    """Two model-less nodes of one cluster without a secret."""
+    yield from _pair(tmp_path, "--cluster", CLUSTER)
 
 
 class Stranger:
@@ -88,18 +105,23 @@ def _runner(node: RunningNode) -> psutil.Process:
     return runner
 
 
+def _two_stages(nodes: list[RunningNode], model_dir: Path) -> tuple[str, RunningNode, RunningNode]:
+    """A 2-stage instance of `model_dir` on `nodes`, ready: (its id, the entry, the second stage's node)."""
+    created = httpx.post(
+        f"{nodes[0].base_url}/v1/instances", json={"model": str(model_dir), "nodes": 2}, timeout=30
+    )
+    assert created.status_code == 201, created.text
+    by_id = {n.node_id: n for n in nodes}
+    entry, second = (by_id[stage["node_id"]] for stage in created.json()["stages"])
+    entry.wait_for_log(f"model {model_dir.name} ready", timeout=120)
+    return created.json()["id"], entry, second
+
+
 def test_a_stranger_neither_redirects_nor_holds_a_stage(
     pair: list[RunningNode], random_model_dir: Path
 ) -> None:
+    _, entry, second = _two_stages(pair, random_model_dir)
     name = random_model_dir.name
-    created = httpx.post(
-        f"{pair[0].base_url}/v1/instances", json={"model": str(random_model_dir), "nodes": 2}, timeout=30
-    )
-    assert created.status_code == 201, created.text
-    stages = created.json()["stages"]
-    by_id = {n.node_id: n for n in pair}
-    entry, second = by_id[stages[0]["node_id"]], by_id[stages[1]["node_id"]]
-    entry.wait_for_log(f"model {name} ready", timeout=120)
     reference = _tokens(entry, name)
     host, port = second.wait_for_log(r"stage \[1, 2\) listens on (\S+):(\d+)", 10).groups()
 
@@ -120,4 +142,32 @@ def test_a_stranger_neither_redirects_nor_holds_a_stage(
     finally:
         for sock in (chatty, silent):
             sock.close()
+        stranger.close()
+
+
+def test_without_a_secret_a_stranger_passing_for_a_stage_redirects_nothing(
+    open_pair: list[RunningNode], random_model_dir: Path
+) -> None:
+    instance, entry, second = _two_stages(open_pair, random_model_dir)
+    name = random_model_dir.name
+    reference = _tokens(entry, name)
+    host, port = second.wait_for_log(r"stage \[1, 2\) listens on (\S+):(\d+)", 10).groups()
+
+    stranger = Stranger()
+    key = LinkSecurity.for_instance(derive_key(CLUSTER, None), instance, sealed=False)
+    sock, cipher = dial_member((host, int(port)), key, 1, timeout=10)  # it passes for stage 0
+    link = OutLink(sock, name="stranger", cipher=cipher)
+    rings = "".join(second.log).count("ring up")
+    try:
+        link.send(Frame(Kind.HELLO, meta={"route": [stranger.address]}))
+        old = _runner(entry)
+        old.kill()  # the ring breaks, and the stranger is the first to say HELLO to the stage
+        old.wait(10)
+        # Its driver's new port reaches the stage from the mesh; the stranger's route, never.
+        wait_until(lambda: "".join(second.log).count("ring up") > rings, 60, "the stage dialed its next hop")
+        link.close()
+        wait_until(lambda: _tokens(entry, name) == reference, 90, "the same answers through a new ring")
+        assert stranger.dialed == 0
+    finally:
+        link.close()
         stranger.close()

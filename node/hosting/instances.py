@@ -73,6 +73,16 @@ class _Hosted:
     """This node's runner: a 1-stage instance's, or a pipeline's first stage (once stages answer)."""
     stage_address: str | None = None
     """HOST:PORT of this node's (non-first) pipeline stage process, once it is ready."""
+    host: str | None = None
+    """The IP this node's stages listen on (pipeline instances): its driver's too."""
+
+    def address(self) -> str | None:
+        """Where this node's stage accepts its previous one: the stage process, or on the entry
+        the driver (the last stage dials it back), once it is ready."""
+        if self.stage_address is not None or self.runner is None or self.host is None:
+            return self.stage_address
+        port = self.runner.ring_port
+        return None if port is None else f"{self.host}:{port}"
 
 
 class HostedInstances:
@@ -120,7 +130,7 @@ class HostedInstances:
         hosted = self._hosted.get(InstanceId(question.instance_id))
         if hosted is None:
             return StageAddressAnswer(address=None)
-        return answer_stage_address(question, hosted.record, self.me, hosted.stage_address)
+        return answer_stage_address(question, hosted.record, self.me, hosted.address())
 
     # --- keeping in step ---------------------------------------------------------------------
     def reconcile_nowait(self, records: Mapping[InstanceId, InstanceRecord], nursery: trio.Nursery) -> None:
@@ -165,10 +175,10 @@ class HostedInstances:
                 mine.end_layer,
                 record.model,
             )
-            host = reachable_host(self._mesh.addrs())
+            host = hosted.host = reachable_host(self._mesh.addrs())
             spec = replace(spec, stage_link=self._stage_links(record.instance_id))
+            route = StageRoute(self._mesh, record)
             if mine is record.stages[0]:
-                route = StageRoute(self._mesh, record)
                 publish = functools.partial(self._publish, hosted)
                 await run_entry(route, spec, host, self._runner, serve_runner, publish)
                 return
@@ -177,9 +187,7 @@ class HostedInstances:
                 hosted.stage_address = address
 
             env = child_environment(spec)  # a stage runs as a runner would: offline, its BLAS settings
-            await run_stage_process(
-                path, mine, host=host, env=env, publish=publish_address, instance=record.instance_id
-            )
+            await run_stage_process(path, route, mine, host=host, env=env, publish=publish_address)
 
     async def _folder(self, record: InstanceRecord, stage: StageAssignment) -> Path:
         """The stage's folder, asked for again after each failure's backoff until it is there."""

@@ -3,14 +3,20 @@ stage process itself; this module starts and watches those processes).
 
 A later stage runs `node.pipeline.stage` in its own process, restarted after a backoff whenever it
 exits, on the same port when it can, so the entry's route stays valid; its address answers the
-entry's `StageAddress` questions. The entry asks every later stage where it listens and runs the
-runner in pipeline mode with that route. It keeps asking: a stage that had to move (its port was
-taken while it restarted) gets the runner restarted with the new route, with no user action.
+`StageAddress` questions of the entry and of the stage before. The entry asks every later stage
+where it listens and runs the runner in pipeline mode with that route. It keeps asking: a stage
+that had to move (its port was taken while it restarted) gets the runner restarted with the new
+route, with no user action.
+
+Each later stage's node asks the node of the next stage (for the last stage: the entry, which
+answers with its driver's port) where it listens, and writes the answer to its stage process's
+stdin whenever it changes: a stage sends only where the mesh says, never where a frame says.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,7 +27,13 @@ import trio
 
 from node.children.supervisor import ChildFailed, Launch, keep_restarting, running
 from node.net.mesh import RequestError
-from node.pipeline.stage_wire import READY_MAX_BYTES, decode_ready, stage_command
+from node.pipeline.stage_wire import (
+    READY_MAX_BYTES,
+    NextHop,
+    decode_ready,
+    encode_next_hop,
+    stage_command,
+)
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.control_wire import (
@@ -41,7 +53,8 @@ STAGE_READY_TIMEOUT = 300.0
 ADDRESS_POLL = 0.5
 """Seconds between questions while a stage is not ready yet."""
 ROUTE_CHECK_INTERVAL = 2.0
-"""Seconds between the entry's checks that its route still holds: one small request per stage."""
+"""Seconds between checks that a known route still holds (the entry's, of each stage; a stage
+node's, of the next hop): one small request per stage."""
 STAGE_STOP_GRACE = 5.0
 """How long a stage process gets to exit after SIGTERM before SIGKILL."""
 
@@ -60,6 +73,12 @@ def reachable_host(addrs: list[str]) -> str:
     return (public or ips or ["127.0.0.1"])[0]
 
 
+def next_stage(record: InstanceRecord, stage: StageAssignment) -> StageAssignment:
+    """Where `stage` sends its output: the next stage, or from the last one the entry's driver."""
+    at = record.stages.index(stage)
+    return record.stages[(at + 1) % len(record.stages)]
+
+
 def _label(stage: StageAssignment) -> str:
     return f"stage [{stage.start_layer}, {stage.end_layer})"
 
@@ -76,44 +95,6 @@ def answer_stage_address(
     ):
         return StageAddressAnswer(address=None)
     return StageAddressAnswer(address=address)
-
-
-async def run_stage_process(
-    path: Path,
-    stage: StageAssignment,
-    *,
-    host: str,
-    env: Mapping[str, str],
-    publish: Callable[[str | None], None],
-    instance: str,
-) -> None:
-    """Keep this node's stage process running (until cancelled); `publish` gets its HOST:PORT, or
-    None while down. A restart asks for the same port; one that failed to start takes any."""
-    port = 0
-
-    async def run_once() -> None:
-        nonlocal port
-        command = stage_command(
-            path, start=stage.start_layer, end=stage.end_layer, host=host, port=port, parent_pid=os.getpid()
-        )
-        launch = Launch(command, env, READY_MAX_BYTES, stop_grace_s=STAGE_STOP_GRACE)
-        try:
-            async with running(launch) as child:
-                try:
-                    port = decode_ready(bytes(await child.handshake(STAGE_READY_TIMEOUT))).port
-                except (ChildFailed, FrameError) as exc:
-                    log.error("instance %s: %s failed: %s", instance, _label(stage), exc)
-                    port = 0  # the port may have been taken meanwhile: take any, the entry follows
-                    return
-                publish(f"{host}:{port}")
-                log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
-                code = await child.wait()
-                log.warning("instance %s: stage process exited (%s)", instance, code)
-        finally:
-            publish(None)
-            log.info("instance %s: %s stopped", instance, _label(stage))
-
-    await keep_restarting(run_once, lambda _result, _delay: True)
 
 
 class StageRoute:
@@ -164,6 +145,75 @@ class StageRoute:
                         address,
                     )
                     return
+
+
+async def run_stage_process(
+    path: Path,
+    route: StageRoute,
+    stage: StageAssignment,
+    *,
+    host: str,
+    env: Mapping[str, str],
+    publish: Callable[[str | None], None],
+) -> None:
+    """Keep this node's stage process of `route.record` running (until cancelled), fed its next
+    hop; `publish` gets its HOST:PORT, or None while down. A restart asks for the same port; one
+    that failed to start takes any."""
+    port = 0
+    instance = route.record.instance_id
+    ahead = next_stage(route.record, stage)
+
+    async def run_once() -> None:
+        nonlocal port
+        command = stage_command(
+            path,
+            start=stage.start_layer,
+            end=stage.end_layer,
+            host=host,
+            port=port,
+            parent_pid=os.getpid(),
+            next_from_stdin=True,
+        )
+        unknown = encode_next_hop(NextHop(address=None))  # its first frame: no next hop known yet
+        launch = Launch(command, env, READY_MAX_BYTES, spec_frame=unknown, stop_grace_s=STAGE_STOP_GRACE)
+        try:
+            async with running(launch) as child:
+                try:
+                    port = decode_ready(bytes(await child.handshake(STAGE_READY_TIMEOUT))).port
+                except (ChildFailed, FrameError) as exc:
+                    log.error("instance %s: %s failed: %s", instance, _label(stage), exc)
+                    port = 0  # the port may have been taken meanwhile: take any, the entry follows
+                    return
+                publish(f"{host}:{port}")
+                log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(feed_next_hop, child.send, functools.partial(route.ask, ahead))
+                    code = await child.wait()
+                    nursery.cancel_scope.cancel()
+                log.warning("instance %s: stage process exited (%s)", instance, code)
+        finally:
+            publish(None)
+            log.info("instance %s: %s stopped", instance, _label(stage))
+
+    await keep_restarting(run_once, lambda _result, _delay: True)
+
+
+async def feed_next_hop(
+    send: Callable[[bytes], Awaitable[bool]], ask: Callable[[], Awaitable[str | None]]
+) -> None:
+    """Write the next hop to the stage process (`send`: `Child.send`) whenever the mesh's answer
+    changes, until cancelled or the process is gone (`send` returns False). An unknown answer keeps
+    the last address (a refused dial retries and re-reads it) and is asked again sooner, so a
+    driver or stage that restarted is soon followed."""
+    known: str | None = None
+    while True:
+        address = await ask()
+        if address is not None and address != known:
+            if not await send(encode_next_hop(NextHop(address=address))):
+                return
+            log.info("next hop: %s", address)
+            known = address
+        await trio.sleep(ROUTE_CHECK_INTERVAL if address is not None else ADDRESS_POLL)
 
 
 async def run_entry(

@@ -72,17 +72,28 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def dial(address: tuple[str, int], *, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
-    """Connect to a stage, retrying refusals (it may still be loading) for up to `timeout` s."""
+Address = tuple[str, int]
+Target = Address | Callable[[], Address | None]
+"""Where to dial: an address, or a function read again before every try (a stage's next hop as its
+node last said it, None while unknown)."""
+
+
+def dial(target: Target, *, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
+    """Connect to a stage, retrying refusals (it may still be loading, or its address may still
+    change) for up to `timeout` s."""
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
+        address = target() if callable(target) else target
         left = deadline - time.monotonic()
         try:
+            if address is None:
+                raise OSError("its node has not said where it listens yet")
             sock = socket.create_connection(address, timeout=max(0.1, min(left, HOP_TIMEOUT)))
         except OSError as exc:
             if time.monotonic() + delay >= deadline:
-                raise HopError(f"cannot connect to stage {address[0]}:{address[1]}: {exc}") from exc
+                where = "the next stage" if address is None else f"stage {address[0]}:{address[1]}"
+                raise HopError(f"cannot connect to {where}: {exc}") from exc
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
             continue
@@ -91,16 +102,17 @@ def dial(address: tuple[str, int], *, timeout: float = CONNECT_TIMEOUT) -> socke
 
 
 def dial_member(
-    address: tuple[str, int], security: LinkSecurity, boundary: int, *, timeout: float = CONNECT_TIMEOUT
+    target: Target, security: LinkSecurity, boundary: int, *, timeout: float = CONNECT_TIMEOUT
 ) -> tuple[socket.socket, FrameCipher | None]:
     """`dial`, then prove the instance's key and check the answer (`link_auth`): the socket and the
     cipher that seals what we send; `HopError` when the address is no member of the instance."""
-    sock = dial(address, timeout=timeout)
+    sock = dial(target, timeout=timeout)
+    host, port = sock.getpeername()[:2]
     try:
         return sock, dialer_handshake(sock, security, boundary)
     except LinkAuthError as exc:
         sock.close()
-        raise HopError(f"{address[0]}:{address[1]}: {exc}") from exc
+        raise HopError(f"{host}:{port}: {exc}") from exc
 
 
 def _detached(error: HopError) -> HopError:

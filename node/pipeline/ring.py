@@ -3,15 +3,20 @@
 The driver dials stage 1 (an `OutLink`) and sends it HELLO with the route through the other
 stages; the last stage dials back (an `InLink` admitted here by the `Gate`) and says HELLO. Both
 links prove the instance's key first (`link_auth`), bound to the layer where they cut the model: the
-gate admits only a last stage that ends at the model's last layer. Frames of an earlier request
-still in flight are dropped on receipt, and a request's RESET/CANCEL echo is read before the next
-request starts, so each request sees a clean ring. Any link failure is a `HopError`; after one the
-links are closed (every stage then drops its caches) and the next `connect` forms a new ring.
+gate admits only a last stage that ends at the model's last layer. Each `connect` names its ring
+with a fresh id in the HELLO, which every stage passes on; a connection back whose HELLO names
+another ring is a stage's session of an earlier attempt (say one that had queued behind a stage
+still busy) and is closed, else every later attempt would pair with the one before it. Frames of
+an earlier request still in flight are dropped on receipt, and a request's RESET/CANCEL echo is
+read before the next request starts, so each request sees a clean ring. Any link failure is a
+`HopError`; after one the links are closed (every stage then drops its caches) and the next
+`connect` forms a new ring.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import overload
@@ -76,8 +81,9 @@ class Ring:
                 on_broken=self._broken,
             )
             route = [f"{host}:{port}" for host, port in [*self._stages[1:], self.listen_address]]
-            self._out.send(Frame(Kind.HELLO, meta={"route": route}))
-            self._in = self._accept_last_stage(time.monotonic() + self._connect_timeout)
+            ring = secrets.token_hex(8)
+            self._out.send(Frame(Kind.HELLO, meta={"route": route, "ring": ring}))
+            self._in = self._accept_last_stage(ring, time.monotonic() + self._connect_timeout)
             log.info(
                 "pipeline ring up: %d stages, layers [0, %d) here", len(self._stages) + 1, self._end_layer
             )
@@ -85,7 +91,7 @@ class Ring:
             self.disconnect()
             raise
 
-    def _accept_last_stage(self, deadline: float) -> InLink:
+    def _accept_last_stage(self, ring: str, deadline: float) -> InLink:
         while True:
             timeout = max(0.1, deadline - time.monotonic())
             if (admitted := self._gate.admitted(timeout)) is None:
@@ -96,8 +102,9 @@ class Ring:
                 hello = link.recv(timeout=self._hop_timeout)
             except HopError:
                 hello = None  # a connection from an earlier, broken ring
-            if hello is not None and hello.kind == Kind.HELLO:  # its layer: the gate checked it
-                return link
+            if hello is not None and hello.kind == Kind.HELLO and hello.meta.get("ring") == ring:
+                return link  # its layer: the gate checked it
+            log.info("closed a connection back from an earlier ring")
             link.close()
 
     def disconnect(self) -> None:

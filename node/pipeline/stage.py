@@ -1,18 +1,20 @@
 """A pipeline stage after the first: receive hidden states, run this stage's layers, pass them on.
 
-    python -m node.pipeline.stage --model-path P --start S --end E --listen PORT [--next HOST:PORT]
+    python -m node.pipeline.stage --model-path P --start S --end E --listen PORT
+        [--next HOST:PORT | --next-from-stdin]
 
 Loads only layers [S, E) (see `shard`), listens, and writes one frame on stdout once it accepts
 connections: `StageReady` (port, start, end, pid), the handshake of `node.children`.
 
 A session starts when the previous stage (or the driver) connects, proves the instance's key (the
-`Gate` admits it: `link_auth`; a stranger never holds the stage), and says HELLO. The driver's
-HELLO carries the route: the address of every later hop, ending with the driver's own. A stage
-dials the route's first entry (or `--next`, which overrides it), which must prove the same key
-back before anything is sent to it, says HELLO with the rest, and so on; the last stage's entry is
-the driver. The route is read only from an admitted link: a member's driver wrote it from the
-stage addresses its node asked the mesh for. Only the driver needs to know the topology, so stages
-can start in any order and in parallel, and the driver can pick its port when it starts.
+`Gate` admits it: `link_auth`; a stranger never holds the stage), and says HELLO. The stage then
+dials its next hop (the next stage, or from the last stage the driver), which must prove the same
+key back before anything is sent to it, and says HELLO in turn. Where the next hop is:
+- started by a node (`--next-from-stdin`): only what the node last wrote on our stdin
+  (`next_hop.NextHopFeed`), from the mesh's answer for the next stage; re-read on every dial try,
+  so a driver or stage that moved is followed. A HELLO's route is ignored: no frame steers us.
+- started by hand (tests, `bench/`): `--next`, else the HELLO's route, the address of every later
+  hop ending with the driver's own, which each stage passes on without its first entry.
 
 Per request (keyed by the driver's request number) the stage keeps a KV cache for its own layers.
 PREFILL frames fill it, DECODE frames run one position; the last stage samples on DECODE and
@@ -50,11 +52,13 @@ from node.pipeline.hop import (
     HopError,
     InLink,
     OutLink,
+    Target,
     dial_member,
     listen,
     parse_address,
 )
 from node.pipeline.link_auth import OPEN, FrameCipher, LinkSecurity
+from node.pipeline.next_hop import NextHopFeed
 from node.pipeline.shard import Sampler, Shard, load_shard, request_sampler
 from node.pipeline.stage_wire import StageReady, encode_ready
 from protocol.sampling import GREEDY, Sampling
@@ -85,9 +89,10 @@ class StageServer:
     owns a thread-local `mx.compile` cache (mlx-lm compiles `swiglu`), whose destructor needs the
     GIL, and if that thread ends while the interpreter finalizes, libstdc++ calls terminate.
 
-    `next_address`, when given, replaces the route's entry for the next hop (say, another
-    interface of that machine); `hop_timeout` bounds every wait on a neighbour, `connect_timeout`
-    the dial of the next one (it may still be loading); `security` is the instance's link key.
+    `next_hop`, when given, is where the next hop is (read before each dial try) and the HELLO's
+    route is ignored; `hop_timeout` bounds every wait on a neighbour, `connect_timeout` the dial of
+    the next one (it may still be loading); `security` is the instance's link key; `stopping`, once
+    set, stops it as `stop()` does.
     """
 
     def __init__(
@@ -96,20 +101,21 @@ class StageServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        next_address: tuple[str, int] | None = None,
+        next_hop: Target | None = None,
         hop_timeout: float = HOP_TIMEOUT,
         connect_timeout: float = CONNECT_TIMEOUT,
         security: LinkSecurity = OPEN,
+        stopping: threading.Event | None = None,
     ) -> None:
         if shard.spec.is_first:
             raise ValueError("the first stage is the driver (PipelineGenerator), not a StageServer")
         self.shard = shard
-        self._next = next_address
+        self._next_hop = next_hop
         self._hop_timeout = hop_timeout
         self._connect_timeout = connect_timeout
         self._listener = listen(host, port)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._stop = threading.Event()
+        self._stop = stopping or threading.Event()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._name = f"stage[{shard.spec.start},{shard.spec.end})"
         self._security = security
@@ -142,12 +148,15 @@ class StageServer:
             if hello is None or hello.kind != Kind.HELLO:
                 raise HopError("the previous stage did not say HELLO")  # its layer: the gate checked it
             route = [str(hop) for hop in hello.meta.get("route", [])]
-            if not route:
-                raise HopError("the HELLO carries no route to the next stage")
-            target = self._next or parse_address(route[0])
+            target = self._next_hop
+            if target is None:
+                if not route:
+                    raise HopError("the HELLO carries no route to the next stage")
+                target = parse_address(route[0])
             downstream, sealer = dial_member(
                 target, self._security, self.shard.spec.end, timeout=self._connect_timeout
             )
+            dialed = downstream.getpeername()[:2]
             outbound = OutLink(
                 downstream,
                 name="next stage" if not self.shard.spec.is_last else "driver",
@@ -156,7 +165,7 @@ class StageServer:
                 on_broken=inbound.fail,
             )
             outbound.send(Frame(Kind.HELLO, meta={**hello.meta, "route": route[1:]}))
-            log.info("%s: ring up (next: %s:%d)", self._name, *target)
+            log.info("%s: ring up (next: %s:%d)", self._name, *dialed)
             while not self._stop.is_set():
                 frame = inbound.recv(timeout=ACCEPT_POLL)
                 if frame is not None:
@@ -242,8 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, required=True, help="first layer this stage runs")
     parser.add_argument("--end", type=int, default=None, help="one past its last layer (default: the last)")
     parser.add_argument("--listen", default="127.0.0.1:0", help="[HOST:]PORT to accept the previous stage on")
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--next", default=None, help="HOST:PORT of the next hop, overriding the route the driver sends"
+    )
+    where.add_argument(
+        "--next-from-stdin",
+        action="store_true",
+        help="the next hop is what NextHop frames on stdin say (a node's stage); stdin's end stops it",
     )
     parser.add_argument("--hop-timeout", type=float, default=HOP_TIMEOUT)
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
@@ -259,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:
         exit_when_orphaned(args.parent_pid)
 
+    stopping = threading.Event()
+    feed = NextHopFeed(sys.stdin.buffer, on_closed=stopping.set) if args.next_from_stdin else None
     prepare = None
     if args.dtype == "auto":
         from node.cpu.dtype import apply_dtype_policy
@@ -270,10 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         shard,
         host=host,
         port=port,
-        next_address=parse_address(args.next) if args.next else None,
+        next_hop=feed.current if feed is not None else parse_address(args.next) if args.next else None,
         hop_timeout=args.hop_timeout,
         connect_timeout=args.connect_timeout,
         security=LinkSecurity.from_env(),
+        stopping=stopping,
     )
     ready = StageReady(port=server.address[1], start=shard.spec.start, end=shard.spec.end, pid=os.getpid())
     sys.stdout.buffer.write(encode_ready(ready))

@@ -1,7 +1,12 @@
-"""How a node starts a stage process and reads its ready frame, without the stage's imports.
+"""How a node starts a stage process, reads its ready frame and tells it its next hop, without the
+stage's imports.
 
 `node.pipeline.stage` runs MLX; the node only spawns it (`node.hosting.stages`). Keeping its command
-line and ready frame here spares the node process MLX and numpy (~20 MB resident).
+line and frames here spares the node process MLX and numpy (~20 MB resident).
+
+A stage started by its node (`--next-from-stdin`) learns where to send its output only from
+`NextHop` frames on its stdin, which the node writes from what the next stage's node answers over
+the mesh; the end of its stdin tells it to exit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,29 @@ def decode_ready(frame: bytes) -> StageReady:
 _READY: TypeAdapter[StageReady] = TypeAdapter(StageReady)
 
 
+class NextHop(WireMessage):
+    """The node -> its stage process: the next hop's HOST:PORT (the next stage, or for the last
+    stage the driver), None while the mesh does not know it."""
+
+    address: str | None
+
+
+NEXT_HOP_MAX_BYTES = 512
+"""A next hop frame is an address; the cap on what the stage buffers from its stdin."""
+
+
+def encode_next_hop(hop: NextHop) -> bytes:
+    return encode(encode_cbor(hop, limit=NEXT_HOP_MAX_BYTES, error=FrameError), NEXT_HOP_MAX_BYTES)
+
+
+def decode_next_hop(frame: bytes) -> NextHop:
+    """`FrameError` for a frame that is no `NextHop`."""
+    return decode_cbor(_NEXT_HOP, frame, limit=NEXT_HOP_MAX_BYTES, error=FrameError, what="next hop frame")
+
+
+_NEXT_HOP: TypeAdapter[NextHop] = TypeAdapter(NextHop)
+
+
 def stage_command(
     model_path: Path | str,
     *,
@@ -49,6 +77,7 @@ def stage_command(
     port: int = 0,
     hop_timeout: float | None = None,
     parent_pid: int | None = None,
+    next_from_stdin: bool = False,
 ) -> list[str]:
     """`python -m node.pipeline.stage` with these arguments (see its `main`); no hop_timeout: its default."""
     command = [sys.executable, "-m", "node.pipeline.stage", "--model-path", str(model_path)]
@@ -59,4 +88,6 @@ def stage_command(
         command += ["--end", str(end)]
     if parent_pid is not None:
         command += ["--parent-pid", str(parent_pid)]
+    if next_from_stdin:
+        command.append("--next-from-stdin")
     return command

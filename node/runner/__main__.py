@@ -128,7 +128,7 @@ def _take_requests(inbox: _Inbox, scheduler: Scheduler) -> bool:
 
 
 def _start_serving(
-    wire: _Wire, loaded: LoadedModel, commands: Iterator[RunnerMessage]
+    wire: _Wire, loaded: LoadedModel, commands: Iterator[RunnerMessage], *, ring_port: int | None = None
 ) -> tuple[_Inbox, Callable[[RequestId, ChunkEvent], None]]:
     """Once the model is loaded: read the node's commands, say Ready, and give the event sender
     (which forgets a request after its last event)."""
@@ -143,7 +143,14 @@ def _start_serving(
             inbox.forget(request_id)
 
     threading.Thread(target=_read_commands, args=(commands, inbox), daemon=True).start()
-    wire.send(Ready(model_type=loaded.model_type, context_length=loaded.context_length, pid=os.getpid()))
+    wire.send(
+        Ready(
+            model_type=loaded.model_type,
+            context_length=loaded.context_length,
+            pid=os.getpid(),
+            ring_port=ring_port,
+        )
+    )
     return inbox, emit
 
 
@@ -211,7 +218,8 @@ def _pipeline_main(
         log.exception("could not load the first stage of %s", spec.model_path)
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))
         return 1
-    inbox, emit = _start_serving(wire, loaded, commands)
+    ring = driver.listen_address
+    inbox, emit = _start_serving(wire, loaded, commands, ring_port=None if ring is None else ring[1])
     try:
         while (request := inbox.pending.get()) is not None:
             run_one(

@@ -240,6 +240,11 @@ class RunnerSupervisor:
         admits whenever a place frees). A pipeline runs one request at a time."""
         return 1 if self.spec.pipeline is not None else self.spec.max_concurrent
 
+    @property
+    def ring_port(self) -> int | None:
+        """Pipeline mode: where the running driver accepts its last stage; None while not ready."""
+        return self.ready_info.ring_port if self.state == "ready" and self.ready_info else None
+
     def health(self) -> RunnerHealth:
         return RunnerHealth(
             model=self.spec.model_id,
