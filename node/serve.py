@@ -127,7 +127,7 @@ async def run_node(config: NodeConfig) -> None:
         load_wait_s=config.load_wait_s,
         failover=FailoverConfig(timeout_s=config.failover_timeout_s),
     )
-    backend.serving = serve_generations(mesh, backend.open_local_stream, backend.cancel_local)
+    backend.serving = serve_generations(mesh, backend.attempts.open_local, backend.attempts.cancel_local)
     app = create_app(backend, keepalive_s=config.keepalive_s, api_key=config.api_key, files=files.server)
     if config.api_key is None and not _is_loopback(config.api_host):
         log.warning(

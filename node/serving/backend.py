@@ -1,20 +1,16 @@
 """The node's implementation of the API's `Backend`.
 
 A request goes to this node's runner when the model's instance starts here; otherwise over libp2p to
-the node that holds the instance's first stage, whose events come straight back (never via the leader).
-A request for an instance that starts here but has no runner yet (its files still coming, its later
-stages loading) waits for the runner, up to `load_wait_s`, unless no node can get the model's files
-(`files_unavailable`): then it ends at once with that reason, failover included.
-Instance requests are forwarded to the leader.
+the node that holds the instance's first stage, whose events come straight back (never via the leader):
+`failover` runs it, each try opened by `attempts`. Instance requests are forwarded to the leader.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict
-from typing import Protocol
 
 import trio
 
@@ -22,9 +18,9 @@ from api.backend import ModelCard
 from node.cluster.service import ClusterService
 from node.control.instances import InstanceManager
 from node.control.leader import instance_view
-from node.files.cluster import files_unavailable, placeable
+from node.files.cluster import placeable
 from node.models import list_local_models
-from node.runner.supervisor import RunnerSupervisor
+from node.serving.attempts import Attempts, RemoteStreams
 from node.serving.failover import Failover, FailoverConfig
 from node.serving.model_cards import ModelCards
 from node.serving.routing import GenerationServer
@@ -32,27 +28,15 @@ from protocol.chat import GenerateRequest
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import (
-    MODEL_FILES_UNAVAILABLE,
-    MODEL_LOADING,
-    MODEL_NOT_FOUND,
     ChunkEvent,
-    GenerationError,
 )
 from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView, node_models
-from protocol.ids import NodeId, RequestId
+from protocol.ids import RequestId
 
 CARDS_REFRESH_S = 10.0
 """At least this often the model cards' facts are read again: a generation_config.json a card
 lacked may have arrived (`node.serving.model_sampling.RETRY_S` paces the search for it)."""
-
-
-class RemoteStreams(Protocol):
-    def open_stream(
-        self, entry_node: str, request: GenerateRequest
-    ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]: ...
-
-    async def cancel(self, request_id: RequestId) -> bool: ...
 
 
 class NodeBackend:
@@ -67,12 +51,12 @@ class NodeBackend:
     ) -> None:
         self._cluster = cluster
         self._instances = instances
-        self._remote = instances.loads.counted(remote)
-        """Every request sent to a peer's entry counts against it (replica choice:
-        `node.hosting.replica_load`)."""
-        self._load_wait_s = load_wait_s
-        """How long a request waits for an instance placed here to start (`NodeConfig.load_wait_s`)."""
-        self._failover = Failover(self._open_on, instances.entry_nodes, self._cancel_running, failover)
+        # Every request sent to a peer's entry counts against it (replica choice: `replica_load`).
+        counted = instances.loads.counted(remote)
+        self.attempts = Attempts(cluster, instances, counted, load_wait_s=load_wait_s)
+        """Single tries, here or on a peer; also what peers' forwarded requests run on."""
+        attempts = self.attempts
+        self._failover = Failover(attempts.open_on, instances.entry_nodes, attempts.cancel, failover)
         """Every request this node accepts; it goes on elsewhere when its instance breaks off."""
         self._created = int(time.time())
         self._cards = ModelCards(instances.data_dir)
@@ -126,84 +110,9 @@ class NodeBackend:
     def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
         return self._failover.open_stream(request)
 
-    def _open_on(
-        self, entry: NodeId | None, request: GenerateRequest
-    ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
-        """One attempt of `node.serving.failover`: on `entry` (None: this node, which says why it
-        has none)."""
-        if entry is not None and entry != self._cluster.me:
-            return self._remote.open_stream(entry, request)
-        return self.open_local_stream(request)
-
-    def open_local_stream(
-        self, request: GenerateRequest
-    ) -> AbstractAsyncContextManager[AsyncIterator[ChunkEvent]]:
-        """Only this node's runners: what peers' forwarded requests get (they never hop twice)."""
-        runner = self._instances.local_runner(request.model)
-        if runner is not None:
-            return runner.open_stream(request)
-        entry = self._instances.entry_node(request.model)
-        if entry is None:
-            return _single_event(
-                GenerationError(
-                    error_kind="invalid_request",
-                    message=f"model {request.model!r} is not served by this cluster",
-                    code=MODEL_NOT_FOUND,
-                    param="model",
-                )
-            )
-        return self._open_once_loaded(request)
-
-    @asynccontextmanager
-    async def _open_once_loaded(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
-        """Enter this node's runner for the model once it has one, waiting up to `load_wait_s` (the
-        instance's files moving here, its later stages loading); past that, or as soon as this node
-        takes no requests for the model any more, the one `model_loading` error; as soon as no node
-        can get the model's files, the `model_files_unavailable` error, which failover passes on.
-        Cancellable."""
-        runner: RunnerSupervisor | GenerationError | None = None
-        with trio.move_on_after(self._load_wait_s):
-            runner = await self._runner_once_started(request.model)
-        if not isinstance(runner, RunnerSupervisor):
-            loading = GenerationError(
-                error_kind="server_error",
-                message=f"model {request.model!r} is not running on this node (yet); retry shortly",
-                code=MODEL_LOADING,
-            )
-            async with _single_event(runner or loading) as events:
-                yield events
-            return
-        async with runner.open_stream(request) as events:
-            yield events
-
-    async def _runner_once_started(self, model: str) -> RunnerSupervisor | GenerationError | None:
-        """This node's runner for `model` as soon as there is one; None once this node is no entry of
-        `model` (its instance deleted or moved); the error once no node can get its files (rechecked
-        at each reconcile, which follows every cluster change). Unbounded: the caller bounds it."""
-        while (runner := self._instances.local_runner(model)) is None:
-            if self._cluster.me not in self._instances.entry_nodes(model):
-                return None
-            if (why := files_unavailable(self._cluster, model)) is not None:
-                return GenerationError(
-                    error_kind="server_error",
-                    message=f"model {model!r} cannot run: {why}",
-                    code=MODEL_FILES_UNAVAILABLE,
-                )
-            await self._instances.wait_hosted_changed()
-        return runner
-
     async def cancel(self, request_id: RequestId) -> bool:
         """Cancel a request this node accepted, wherever it runs (or between two attempts)."""
-        return await self._failover.cancel(request_id) or await self._cancel_running(request_id)
-
-    async def _cancel_running(self, request_id: RequestId) -> bool:
-        return await self.cancel_local(request_id) or await self._remote.cancel(request_id)
-
-    async def cancel_local(self, request_id: RequestId) -> bool:
-        for runner in self._instances.runners():
-            if runner.has_request(request_id):
-                return await runner.cancel(request_id)
-        return False
+        return await self._failover.cancel(request_id) or await self.attempts.cancel(request_id)
 
     def instances(self) -> Sequence[InstanceView]:
         return [instance_view(record) for record in self._instances.records()]
@@ -228,11 +137,3 @@ class NodeBackend:
             mesh=asdict(self._cluster.mesh.stats),
             generations_for_peers=asdict(self.serving.stats) if self.serving else {},
         )
-
-
-@asynccontextmanager
-async def _single_event(event: ChunkEvent) -> AsyncIterator[AsyncIterator[ChunkEvent]]:
-    async def events() -> AsyncIterator[ChunkEvent]:
-        yield event
-
-    yield events()
