@@ -379,11 +379,12 @@ _MAX_RSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
 
 
 def llama_bench(
-    llama: LlamaCpp, model: Path, threads: int, prompt: int, gen: int, repeats: int
+    llama: LlamaCpp, model: Path, threads: int, prompt: int, gen: int, repeats: int, depth: int = 0
 ) -> BenchResult:
-    """`llama-bench -m model -t threads -p prompt -n gen -r repeats -o json`, timed for its peak RSS."""
+    """`llama-bench -m model -t threads -p prompt -n gen -r repeats -d depth -o json`, timed for its
+    peak RSS (`-d`: the tests run after a context of that many tokens)."""
     cmd = [str(llama.bench), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen)]
-    cmd += ["-r", str(repeats), "-o", "json"]
+    cmd += ["-r", str(repeats), "-d", str(depth), "-o", "json"]
     timer = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").is_file() else []
     done = subprocess.run([*timer, *cmd], capture_output=True, text=True, check=False, timeout=3600)
     if done.returncode != 0:

@@ -104,6 +104,9 @@ class Measured:
     output_tokens: int = 0
     detail: dict[str, int] = field(default_factory=dict)
     error: str = ""
+    depth_decode_tps: float = float("nan")
+    """Decode after a long prompt (`--depth`), NaN when not measured."""
+    depth_tokens: int = 0
 
 
 def start_shoal(
@@ -175,7 +178,10 @@ def bench_shoal(
     repeats: int,
     env: dict[str, str] | None = None,
     timing: Timing = "chunks",
+    depth_text: str | None = None,
 ) -> Measured:
+    """Prefill, decode and peak memory of `model` on a real node; with `depth_text`, also decode
+    after that prompt (its KV cache that deep), timed by chunks."""
     result = Measured()
     with tempfile.TemporaryDirectory(prefix="shoal-vs-llamacpp-") as tmp:
         started = time.perf_counter()
@@ -198,6 +204,10 @@ def bench_shoal(
                     )
                     prefill.append(p)
                     decode.append(d)
+                if depth_text is not None:
+                    _, result.depth_decode_tps, result.depth_tokens, _ = shoal_request(
+                        client, node, depth_text, OUTPUT_TOKENS
+                    )
             result.prefill_tps, result.decode_tps = statistics.median(prefill), statistics.median(decode)
             hwm = sampler.hwm()
         finally:

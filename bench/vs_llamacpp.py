@@ -16,12 +16,14 @@ float32 scales: mlx-lm's fastest CPU case) against plain `mlx_lm.stream_generate
 subprocess. Mixture-of-experts rows (`--models moe`, `bench/moe_models.py`): random qwen3moe
 (Q4_0, Q4_K_M) and gpt-oss (MXFP4_MOE) GGUFs, and qwen3_moe 4-bit and gpt_oss MXFP4-Q8 MLX
 folders against mlx-lm; gpt-oss rows are timed by whole requests (side_by_side.py says why), and
-each MoE row prints the issue's targets as met or missed. MLX's CPU kernels are slow (4-bit:
+each MoE row prints the issue's targets as met or missed. `--depth N` adds decode after N tokens of
+context on the GGUF rows: `llama-bench -p 0 -n 64 -d N` against Shoal decoding 64 tokens after a
+prompt of about N tokens (its KV cache that deep). MLX's CPU kernels are slow (4-bit:
 ~2 GFLOP/s here), so mlx-lm reads only the first --mlx-lm-prompt-tokens of the same prompt and
 generates --mlx-lm-tokens.
 
     .venv/bin/python bench/vs_llamacpp.py [--small] [--threads 2] [--models dense|moe|smollm2 ...]
-        [--skip-llamacpp] [--repeats 1] [--json out.json] [--unfused]
+        [--skip-llamacpp] [--repeats 1] [--json out.json] [--unfused] [--depth 4096]
 """
 
 from __future__ import annotations
@@ -130,9 +132,17 @@ def print_table(results: list[Result], bandwidth: float, threads: int) -> None:
         rows = [
             ("prefill tok/s", b.prefill_tps, s.prefill_tps, _ratio(s.prefill_tps, b.prefill_tps)),
             ("decode tok/s", b.decode_tps, s.decode_tps, _ratio(s.decode_tps, b.decode_tps)),
+            (
+                f"decode tok/s at depth {s.depth_tokens}",
+                b.depth_decode_tps,
+                s.depth_decode_tps,
+                _ratio(s.depth_decode_tps, b.depth_decode_tps),
+            ),
             ("peak RSS MB (lower is better)", base_mb, shoal_mb, _ratio(shoal_mb, base_mb)),
         ]
         for metric, base, shoal, ratio in rows:
+            if base != base and shoal != shoal:
+                continue  # not measured (no --depth)
             print(f"{r.model:<32} {metric:<30} {r.baseline:<10} {_num(base):>9} {_num(shoal):>9} {ratio:>10}")
         gb = r.bytes_per_token / 1e9
         print(f"{r.model:<32} {'decode limit tok/s':<30} {'':<10} {limit:>9.1f}   ({gb:.3f} GB/token)")
@@ -166,6 +176,9 @@ def main() -> None:
     parser.add_argument(
         "--unfused", action="store_true", help="also Shoal with SHOAL_FUSED_LAYERS=0 (a base)"
     )
+    parser.add_argument(
+        "--depth", type=int, default=0, help="also decode after this many tokens of context (GGUF rows)"
+    )
     args = parser.parse_args()
     names = [n for name in args.models for n in GROUPS.get(name, [name])]
 
@@ -176,7 +189,9 @@ def main() -> None:
     print(f"memory bandwidth: {before:.1f} GB/s with {threads} threads", flush=True)
     from mlx_lm.utils import load_tokenizer
 
-    long_text = prompt_text(load_tokenizer(builtin_model()), PROMPT_TOKENS)
+    tokenizer = load_tokenizer(builtin_model())
+    long_text = prompt_text(tokenizer, PROMPT_TOKENS)
+    depth_text = prompt_text(tokenizer, args.depth) if args.depth else None
     ggufs = prepare_ggufs(names, args.small, llama, threads)
     ggufs |= moe_models.prepare_moe_ggufs(names, args.small, llama, threads)
     results: list[Result] = []
@@ -189,9 +204,13 @@ def main() -> None:
             print("  llama-bench ...", flush=True)
             bench = llama_bench(llama, path, threads, PROMPT_TOKENS, OUTPUT_TOKENS, max(2, args.repeats))
             base = Measured(bench.prefill_tps, bench.decode_tps, bench.peak_rss, PROMPT_TOKENS, OUTPUT_TOKENS)
+            if args.depth:
+                print(f"  llama-bench at depth {args.depth} ...", flush=True)
+                deep = llama_bench(llama, path, threads, 0, OUTPUT_TOKENS, max(2, args.repeats), args.depth)
+                base.depth_decode_tps, base.depth_tokens = deep.decode_tps, args.depth
         print("  shoal ...", flush=True)
         timing = moe_models.timing(name)
-        shoal = bench_shoal(path, long_text, threads, args.repeats, timing=timing)
+        shoal = bench_shoal(path, long_text, threads, args.repeats, timing=timing, depth_text=depth_text)
         note = f"Shoal prompt {shoal.prompt_tokens} tokens, llama.cpp pp{PROMPT_TOKENS} / tg{OUTPUT_TOKENS}"
         note += ", Shoal timed by whole requests" if timing == "requests" else ""
         results.append(Result(label, "llama.cpp", base, shoal, read, note, name in moe_models.ROWS))
