@@ -36,62 +36,80 @@ inline float dot(const float* a, const float* b, int n) {
   return t;
 }
 
+constexpr int kKeyBlock = 64;
+// Keys (or values) taken a block at a time by every query row of a KV head: a block (64 rows of
+// 64 floats = 16 KB) stays in L1 while the G rows of a grouped-query head read it, so a deep cache
+// comes from memory once per head instead of once per query row. Each row's arithmetic, and so its
+// result, is the same as row by row.
+
 // Eight keys at a time per query row: q is loaded once per eight FMAs, one reduction per eight dots.
 void qk(const float* q, int R, const float* k, long ks, int S, int D, float scale, float* scores) {
   const int Dv8 = D / 8 * 8;
-  for (int r = 0; r < R; r++) {
-    const float* qr = q + static_cast<long>(r) * D;
-    float* sc = scores + static_cast<long>(r) * S;
-    int s = 0;
-    for (; s + 8 <= S; s += 8) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-      for (int d = 0; d < Dv8; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qr + d);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (s + j) * ks + d), acc[j]);
+  for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
+    const int s1 = std::min(S, s0 + kKeyBlock);
+    for (int r = 0; r < R; r++) {
+      const float* qr = q + static_cast<long>(r) * D;
+      float* sc = scores + static_cast<long>(r) * S;
+      int s = s0;
+      for (; s + 8 <= s1; s += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int d = 0; d < Dv8; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qr + d);
+          for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (s + j) * ks + d), acc[j]);
+        }
+        // Lane j of the two hadd trees is the dot of key s + j.
+        const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+        const __m256 lo = _mm256_permute2f128_ps(h0, h1, 0x20), hi = _mm256_permute2f128_ps(h0, h1, 0x31);
+        alignas(32) float dots[8];
+        _mm256_store_ps(dots, _mm256_add_ps(lo, hi));
+        for (int j = 0; j < 8; j++) {
+          float t = dots[j];
+          for (int d = Dv8; d < D; d++) t += qr[d] * k[(s + j) * ks + d];
+          sc[s + j] = scale * t;
+        }
       }
-      // Lane j of the two hadd trees is the dot of key s + j.
-      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-      const __m256 lo = _mm256_permute2f128_ps(h0, h1, 0x20), hi = _mm256_permute2f128_ps(h0, h1, 0x31);
-      alignas(32) float dots[8];
-      _mm256_store_ps(dots, _mm256_add_ps(lo, hi));
-      for (int j = 0; j < 8; j++) {
-        float t = dots[j];
-        for (int d = Dv8; d < D; d++) t += qr[d] * k[(s + j) * ks + d];
-        sc[s + j] = scale * t;
-      }
+      for (; s < s1; s++) sc[s] = scale * dot(qr, k + s * ks, D);
     }
-    for (; s < S; s++) sc[s] = scale * dot(qr, k + s * ks, D);
   }
 }
 
-// Row by row, 32 output columns held in registers over all keys.
+// Row by row within each block of values, 32 output columns held in registers over the block's
+// keys (carried in `out` from one block to the next: the same sums in the same order).
 void pv(const float* p, int R, const float* v, long vs, int S, int Dv, float* out) {
-  for (int r = 0; r < R; r++) {
-    const float* pr = p + static_cast<long>(r) * S;
-    float* o = out + static_cast<long>(r) * Dv;
-    int d0 = 0;
-    for (; d0 + 32 <= Dv; d0 += 32) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int s = 0; s < S; s++) {
-        if (pr[s] == 0.0f) continue;  // masked keys cost nothing
-        const __m256 w = _mm256_set1_ps(pr[s]);
-        const float* vr = v + s * vs + d0;
-        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
-        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
-        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
-        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+  for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
+    const int s1 = std::min(S, s0 + kKeyBlock);
+    for (int r = 0; r < R; r++) {
+      const float* pr = p + static_cast<long>(r) * S;
+      float* o = out + static_cast<long>(r) * Dv;
+      int d0 = 0;
+      for (; d0 + 32 <= Dv; d0 += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        if (s0 > 0) {
+          a0 = _mm256_loadu_ps(o + d0), a1 = _mm256_loadu_ps(o + d0 + 8);
+          a2 = _mm256_loadu_ps(o + d0 + 16), a3 = _mm256_loadu_ps(o + d0 + 24);
+        }
+        for (int s = s0; s < s1; s++) {
+          if (pr[s] == 0.0f) continue;  // masked keys cost nothing
+          const __m256 w = _mm256_set1_ps(pr[s]);
+          const float* vr = v + s * vs + d0;
+          a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+          a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+          a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+          a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+        }
+        _mm256_storeu_ps(o + d0, a0), _mm256_storeu_ps(o + d0 + 8, a1);
+        _mm256_storeu_ps(o + d0 + 16, a2), _mm256_storeu_ps(o + d0 + 24, a3);
       }
-      _mm256_storeu_ps(o + d0, a0), _mm256_storeu_ps(o + d0 + 8, a1);
-      _mm256_storeu_ps(o + d0 + 16, a2), _mm256_storeu_ps(o + d0 + 24, a3);
-    }
-    for (; d0 < Dv; d0++) {
-      float t = 0.0f;
-      for (int s = 0; s < S; s++) t += pr[s] * v[s * vs + d0];
-      o[d0] = t;
+      for (; d0 < Dv; d0++) {
+        float t = s0 > 0 ? o[d0] : 0.0f;
+        for (int s = s0; s < s1; s++) t += pr[s] * v[s * vs + d0];
+        o[d0] = t;
+      }
     }
   }
+  if (S == 0) std::fill(out, out + static_cast<long>(R) * Dv, 0.0f);
 }
 
 // exp(x) for x <= 0 (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); 0 below -87.
