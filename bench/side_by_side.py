@@ -204,12 +204,13 @@ def bench_shoal(
                     )
                     prefill.append(p)
                     decode.append(d)
+                result.prefill_tps, result.decode_tps = statistics.median(prefill), statistics.median(decode)
+                hwm = sampler.hwm()
+                sampler.stop()  # the peak memory is that of the ~500-token prompt, as llama-bench's
                 if depth_text is not None:
                     _, result.depth_decode_tps, result.depth_tokens, _ = shoal_request(
                         client, node, depth_text, OUTPUT_TOKENS
                     )
-            result.prefill_tps, result.decode_tps = statistics.median(prefill), statistics.median(decode)
-            hwm = sampler.hwm()
         finally:
             sampler.stop()
             node.stop(timeout=30)
