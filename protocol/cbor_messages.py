@@ -11,6 +11,8 @@ from typing import TypeVar
 import cbor2
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from protocol.framing import FrameError, encode
+
 T = TypeVar("T")
 
 
@@ -28,6 +30,12 @@ def encode_cbor(message: BaseModel, *, limit: int, error: type[ValueError]) -> b
     if len(body) > limit:
         raise error(f"message of {len(body)} bytes exceeds the {limit}-byte cap")
     return body
+
+
+def framed_cbor(message: BaseModel, limit: int) -> bytes:
+    """`message` as one frame (`protocol.framing`) of CBOR, for wires over pipes; `FrameError` when
+    it is over `limit`."""
+    return encode(encode_cbor(message, limit=limit, error=FrameError), limit)
 
 
 def decode_cbor(adapter: TypeAdapter[T], body: bytes, *, limit: int, error: type[ValueError], what: str) -> T:

@@ -15,10 +15,10 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter
 
-from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
+from protocol.cbor_messages import WireMessage, decode_cbor, framed_cbor
 from protocol.chat import GenerateRequest
 from protocol.events import ChunkEvent
-from protocol.framing import FrameDecoder, FrameError, encode
+from protocol.framing import FrameDecoder, FrameError
 from protocol.ids import ModelId, RequestId
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -133,7 +133,7 @@ _adapter: TypeAdapter[RunnerMessage] = TypeAdapter(RunnerMessage)
 
 
 def encode_frame(message: RunnerMessage) -> bytes:
-    return encode(encode_cbor(message, limit=MAX_FRAME_BYTES, error=FrameError), MAX_FRAME_BYTES)
+    return framed_cbor(message, MAX_FRAME_BYTES)
 
 
 def decode_message(body: bytes) -> RunnerMessage:

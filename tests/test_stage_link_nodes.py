@@ -14,6 +14,7 @@ import re
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -105,8 +106,29 @@ def _runner(node: RunningNode) -> psutil.Process:
     return runner
 
 
-def _two_stages(nodes: list[RunningNode], model_dir: Path) -> tuple[str, RunningNode, RunningNode]:
-    """A 2-stage instance of `model_dir` on `nodes`, ready: (its id, the entry, the second stage's node)."""
+@dataclass
+class TwoStages:
+    """A ready 2-stage instance, its first greedy answer, and where its second stage listens."""
+
+    instance: str
+    model: str
+    entry: RunningNode
+    second: RunningNode
+    reference: tuple[str, int, int]
+    address: tuple[str, int]
+
+    def answers_as_before(self) -> bool:
+        return _tokens(self.entry, self.model) == self.reference
+
+    def kill_runner(self) -> None:
+        """Kill the entry's runner: the ring breaks, and the node starts a new runner, whose driver
+        listens on a new port and forms a new ring."""
+        old = _runner(self.entry)
+        old.kill()
+        old.wait(10)
+
+
+def _two_stages(nodes: list[RunningNode], model_dir: Path) -> TwoStages:
     created = httpx.post(
         f"{nodes[0].base_url}/v1/instances", json={"model": str(model_dir), "nodes": 2}, timeout=30
     )
@@ -114,33 +136,30 @@ def _two_stages(nodes: list[RunningNode], model_dir: Path) -> tuple[str, Running
     by_id = {n.node_id: n for n in nodes}
     entry, second = (by_id[stage["node_id"]] for stage in created.json()["stages"])
     entry.wait_for_log(f"model {model_dir.name} ready", timeout=120)
-    return created.json()["id"], entry, second
+    host, port = second.wait_for_log(r"stage \[1, 2\) listens on (\S+):(\d+)", 10).groups()
+    reference = _tokens(entry, model_dir.name)
+    return TwoStages(created.json()["id"], model_dir.name, entry, second, reference, (host, int(port)))
 
 
 def test_a_stranger_neither_redirects_nor_holds_a_stage(
     pair: list[RunningNode], random_model_dir: Path
 ) -> None:
-    _, entry, second = _two_stages(pair, random_model_dir)
-    name = random_model_dir.name
-    reference = _tokens(entry, name)
-    host, port = second.wait_for_log(r"stage \[1, 2\) listens on (\S+):(\d+)", 10).groups()
+    ring = _two_stages(pair, random_model_dir)
 
     stranger = Stranger()
     hello = Frame(Kind.HELLO, meta={"layer": 1, "route": [stranger.address]})
-    chatty = socket.create_connection((host, int(port)), timeout=10)
-    silent = socket.create_connection((host, int(port)), timeout=10)
+    chatty = socket.create_connection(ring.address, timeout=10)
+    silent = socket.create_connection(ring.address, timeout=10)
     try:
         chatty.sendall(b"".join(bytes(part) for part in encode_frame(hello)))
-        old = _runner(entry)
-        old.kill()  # the ring breaks; the node starts a new runner, which forms a new ring
-        old.wait(10)
-        wait_until(lambda: _tokens(entry, name) == reference, 90, "the same answers through a new ring")
+        ring.kill_runner()
+        wait_until(ring.answers_as_before, 90, "the same answers through a new ring")
         assert _closed_by_peer(chatty) and _closed_by_peer(silent)
         assert stranger.dialed == 0
         # The stage logs each refusal as it closes the socket; the line reaches the node's log
         # through two pipes, so it may come a moment after the test saw the close.
         refusals = re.compile(r"refused a connection from .*: no handshake within")
-        wait_until(lambda: len(refusals.findall("".join(second.log))) == 2, 10, "both strangers refused")
+        wait_until(lambda: len(refusals.findall("".join(ring.second.log))) == 2, 10, "both strangers refused")
     finally:
         for sock in (chatty, silent):
             sock.close()
@@ -150,25 +169,22 @@ def test_a_stranger_neither_redirects_nor_holds_a_stage(
 def test_without_a_secret_a_stranger_passing_for_a_stage_redirects_nothing(
     open_pair: list[RunningNode], random_model_dir: Path
 ) -> None:
-    instance, entry, second = _two_stages(open_pair, random_model_dir)
-    name = random_model_dir.name
-    reference = _tokens(entry, name)
-    host, port = second.wait_for_log(r"stage \[1, 2\) listens on (\S+):(\d+)", 10).groups()
+    ring = _two_stages(open_pair, random_model_dir)
 
     stranger = Stranger()
-    key = LinkSecurity.for_instance(derive_key(CLUSTER, None), instance, sealed=False)
-    sock, cipher = dial_member((host, int(port)), key, 1, timeout=10)  # it passes for stage 0
+    key = LinkSecurity.for_instance(derive_key(CLUSTER, None), ring.instance, sealed=False)
+    sock, cipher = dial_member(ring.address, key, 1, timeout=10)  # it passes for stage 0
     link = OutLink(sock, name="stranger", cipher=cipher)
-    rings = "".join(second.log).count("ring up")
+    rings = "".join(ring.second.log).count("ring up")
     try:
         link.send(Frame(Kind.HELLO, meta={"route": [stranger.address]}))
-        old = _runner(entry)
-        old.kill()  # the ring breaks, and the stranger is the first to say HELLO to the stage
-        old.wait(10)
+        ring.kill_runner()  # the ring breaks, and the stranger is the first to say HELLO to the stage
         # Its driver's new port reaches the stage from the mesh; the stranger's route, never.
-        wait_until(lambda: "".join(second.log).count("ring up") > rings, 60, "the stage dialed its next hop")
+        wait_until(
+            lambda: "".join(ring.second.log).count("ring up") > rings, 60, "the stage dialed its next hop"
+        )
         link.close()
-        wait_until(lambda: _tokens(entry, name) == reference, 90, "the same answers through a new ring")
+        wait_until(ring.answers_as_before, 90, "the same answers through a new ring")
         assert stranger.dialed == 0
     finally:
         link.close()

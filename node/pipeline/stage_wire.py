@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
-from protocol.framing import FrameError, encode
+from protocol.cbor_messages import WireMessage, decode_cbor, framed_cbor
+from protocol.framing import FrameError
 
 
 class StageReady(WireMessage):
@@ -34,7 +34,7 @@ READY_MAX_BYTES = 1024
 
 
 def encode_ready(ready: StageReady) -> bytes:
-    return encode(encode_cbor(ready, limit=READY_MAX_BYTES, error=FrameError), READY_MAX_BYTES)
+    return framed_cbor(ready, READY_MAX_BYTES)
 
 
 def decode_ready(frame: bytes) -> StageReady:
@@ -57,7 +57,7 @@ NEXT_HOP_MAX_BYTES = 512
 
 
 def encode_next_hop(hop: NextHop) -> bytes:
-    return encode(encode_cbor(hop, limit=NEXT_HOP_MAX_BYTES, error=FrameError), NEXT_HOP_MAX_BYTES)
+    return framed_cbor(hop, NEXT_HOP_MAX_BYTES)
 
 
 def decode_next_hop(frame: bytes) -> NextHop:
