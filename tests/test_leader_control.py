@@ -382,3 +382,47 @@ def test_a_name_only_the_cluster_holds_is_asked_once_a_peer_is_alive(
                 assert mesh.asked == [] and trio.current_time() >= LONE_ASK_WAIT_S
 
     run(main)
+
+
+class HolderMesh(FakeMesh):
+    """Peers answering DescribeModel: `holder` with `found`, any other with `nowhere`."""
+
+    def __init__(self, holder: NodeId, found: bytes, nowhere: bytes) -> None:
+        super().__init__(lambda payload: nowhere)
+        self.holder, self.found = holder, found
+
+    async def request(self, peer_id: str, payload: bytes, protocol: str = "") -> bytes:
+        answer = await super().request(peer_id, payload, protocol)
+        return self.found if peer_id == self.holder else answer
+
+
+def test_a_name_only_the_cluster_holds_is_asked_again_when_its_holder_comes_alive(tmp_path: Path) -> None:
+    """The leader's gossip came first and it holds no such model; the holder's comes a moment
+    later: `shoal run --model held-elsewhere` asks again then, rather than stopping."""
+    shape = replace(SHAPE, model=ModelId("held-elsewhere"))
+    holder = NodeId("c-holder")
+    found = encode_control(ModelDescribed(model="held-elsewhere", shape=shape, manifest=MANIFEST))
+    nowhere = encode_control(NotFound(kind="model", reason="not here"))
+
+    async def main() -> None:
+        cluster = FakeCluster({ME: 8 * GIB})
+        cluster.view = View({OTHER: MemberState(OTHER, Status.ALIVE, 0, 0, 0.0)})
+        files = HeldNowhere()
+        mesh = HolderMesh(holder, found, nowhere)
+        finder = DisklessFinder(cluster, mesh, files, _never, _never, tmp_path)
+        shapes = ShapeCache(Reader())
+        requests = InstanceRequests(cluster, mesh, LeaderControl(cluster), shapes, files, finder)
+
+        async def holder_joins() -> None:
+            await trio.sleep(3.0)
+            states = {n: MemberState(n, Status.ALIVE, 0, 0, trio.current_time()) for n in (OTHER, holder)}
+            cluster.view = View(states)
+
+        with trio.fail_after(LONE_ASK_WAIT_S + 5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(holder_joins)
+                await requests.ensure("held-elsewhere")
+        assert mesh.asked[:3] == [OTHER, OTHER, holder]  # then placing it asks again
+        assert [r.model for r in cluster.state.instances().values()] == ["held-elsewhere"]
+
+    run(main)

@@ -204,11 +204,33 @@ class InstanceRequests:
         when neither this node nor any other has it, or it cannot be read."""
         try:
             if not await self._resolves_here(source):
-                await self._until_formed()
-                return (await self._read_model(source, preview=False, asked=True))[0]
+                return await self._asked_shape(source)
             return await self.shapes.get(source)
         except (ValueError, OSError) as exc:
             raise ModelResolveError(f"cannot serve {source!r}: {exc}") from exc
+
+    async def _asked_shape(self, source: str) -> ModelShape:
+        """The shape of a name only the cluster may hold: asked once the cluster has formed, and
+        again whenever another peer comes alive, until `LONE_ASK_WAIT_S` after the start. The
+        leader's gossip may come before the holder's, and one pass over the peers alive then would
+        find nobody holding it. `ValueError` when nobody does by then."""
+        give_up_at = trio.current_time() + LONE_ASK_WAIT_S
+        await self._until_formed()
+        asked_of: frozenset[NodeId] | None = None
+        missing: ValueError | None = None
+        for _wait in range(ENSURE_ATTEMPTS):
+            if (alive := frozenset(self.cluster.view.alive())) != asked_of:
+                asked_of = alive
+                try:
+                    return (await self._read_model(source, preview=False, asked=True))[0]
+                except ValueError as exc:
+                    missing = exc
+            if trio.current_time() >= give_up_at:
+                break
+            with trio.move_on_after(1.0):
+                await self.cluster.wait_changed()
+        assert missing is not None
+        raise missing
 
     async def _until_formed(self) -> None:
         """Until the cluster can be asked: a leader, and a peer alive, or `LONE_ASK_WAIT_S` passed
