@@ -131,5 +131,7 @@ def test_bad_inputs_are_refused_by_name(model_dir: Path, monkeypatch: pytest.Mon
         KERNELS.decoder_stack(x, stack.plan, keys, values, index=keys[0].shape[2], **kw)
     with pytest.raises(ValueError, match=r"decoder_stack.*\[B, 1, E\]"):
         KERNELS.decoder_stack(mx.zeros((1, 2, 128)), stack.plan, keys, values, index=5, **kw)
-    with pytest.raises(ValueError, match=r"decoder_stack.*float32 keys"):
-        KERNELS.decoder_stack(x, stack.plan, [k.astype(mx.float16) for k in keys], values, index=5, **kw)
+    with pytest.raises(ValueError, match=r"decoder_stack.*both float32 or both float16"):
+        KERNELS.decoder_stack(x, stack.plan, [k.astype(mx.bfloat16) for k in keys], values, index=5, **kw)
+    with pytest.raises(ValueError, match=r"decoder_stack.*both float32 or both float16"):
+        KERNELS.decoder_stack(x, stack.plan, [k.astype(mx.float32) for k in keys], values, index=5, **kw)

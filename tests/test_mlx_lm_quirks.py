@@ -5,11 +5,12 @@ step after an upgrade."""
 from __future__ import annotations
 
 from importlib.metadata import version
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import SwigluOAI
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from node.cpu.mlx_lm_quirks import (
@@ -17,6 +18,7 @@ from node.cpu.mlx_lm_quirks import (
     advance_batch,
     put_mixin,
     rope_frequencies,
+    store_caches_as,
     swiglu_oai_constants,
     write_index,
 )
@@ -94,3 +96,24 @@ def test_a_batch_cache_advances_as_its_own_update_does() -> None:
 def test_gpt_oss_activation_keeps_its_constants() -> None:
     fact = "SwigluOAI keeps alpha and limit in _alpha and _limit"
     assert swiglu_oai_constants(SwigluOAI(alpha=1.5, limit=6.0)) == (1.5, 6.0), _broke(fact)
+
+
+def test_caches_store_keys_in_the_dtype_they_are_handed() -> None:
+    fact = "a cache's buffers (grown, wrapped, merged) take the dtype of the keys update_and_fetch gets"
+    store_caches_as(mx.float16)
+    try:
+        plain, rotating = KVCache(), RotatingKVCache(max_size=16)
+        cache: Any
+        for cache in (plain, rotating):
+            for length in (5, 300, 1):  # the first buffer, one grown past mlx-lm's 256-step, one more
+                k = mx.random.normal((1, 2, length, 8))
+                keys, values = cache.update_and_fetch(k, k)
+                assert keys.dtype == values.dtype == cache.keys.dtype == mx.float16, _broke(fact)
+        merged = BatchKVCache.merge([plain, KVCache.from_state(plain.state)])
+        keys, _ = merged.update_and_fetch(mx.ones((2, 2, 1, 8)), mx.ones((2, 2, 1, 8)))
+        held: Any = merged.keys
+        assert keys.dtype == held.dtype == mx.float16, _broke(fact)
+        assert BatchRotatingKVCache(16, [0]).update_and_fetch(k, k)[0].dtype == mx.float16, _broke(fact)
+    finally:
+        store_caches_as(None)
+    assert KVCache().update_and_fetch(k, k)[0].dtype == mx.float32, "store_caches_as(None) puts mlx-lm's back"

@@ -44,6 +44,11 @@ int mask_reach(const Attention& a, int b, int hk, int r0, int R) {
   }
   return reach;
 }
+
+// The rows of a cache `at` elements in.
+const void* head_rows(const void* cache, KvType t, long at) {
+  return static_cast<const char*>(cache) + at * static_cast<long>(kv_bytes(t));
+}
 }  // namespace
 
 void fused_detail::attend(const Attention& a) {
@@ -80,7 +85,8 @@ void fused_detail::attend(const Attention& a) {
     }
     scores.resize(static_cast<size_t>(R) * limit);
     obuf.resize(static_cast<size_t>(R) * Dv);
-    fk.qk(qbuf.data(), R, a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], limit, D, a.scale, scores.data());
+    fk.qk(qbuf.data(), R, head_rows(a.k, a.kv, b * a.ks[0] + hk * a.ks[1]), a.kv, a.ks[2], limit, D, a.scale,
+          scores.data());
     for (int r = 0; r < R; r++) {
       const int h = hk * G + (r0 + r) / L, l = (r0 + r) % L;
       float* sc = scores.data() + static_cast<long>(r) * limit;
@@ -101,7 +107,8 @@ void fused_detail::attend(const Attention& a) {
       // Softmax in float32 with the maximum subtracted; a sink adds a logit to the denominator.
       fk.softmax(sc, limit, a.sinks ? a.sinks[h * a.sink_stride] : kNegInf);
     }
-    fk.pv(scores.data(), R, a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], limit, Dv, obuf.data());
+    fk.pv(scores.data(), R, head_rows(a.v, a.kv, b * a.vs[0] + hk * a.vs[1]), a.kv, a.vs[2], limit, Dv,
+          obuf.data());
     for (int r = 0; r < R; r++) {
       const int h = hk * G + (r0 + r) / L, l = (r0 + r) % L;
       std::memcpy(a.y + ((static_cast<long>(b) * Hq + h) * L + l) * Dv, obuf.data() + static_cast<long>(r) * Dv,
@@ -118,13 +125,16 @@ void fused_detail::attend(const Attention& a) {
 
 namespace {
 
-// k or v with a dense last axis: itself, or a row-major copy (rare: a transposed cache).
-const float* dense_rows(const mx::array& a, std::vector<float>& copy, long st[3]) {
+// k or v (float32 or float16) with a dense last axis: itself, or a row-major copy (rare: a transposed
+// cache), in `copy` or `half_copy` by its type.
+const void* dense_rows(const mx::array& a, std::vector<float>& copy, std::vector<mx::float16_t>& half_copy,
+                       long st[3]) {
   if (a.strides()[3] == 1 || a.shape(3) == 1) {
     for (int d = 0; d < 3; d++) st[d] = a.strides()[d];
-    return a.data<float>();
+    return a.data<void>();
   }
   st[2] = a.shape(3), st[1] = st[2] * a.shape(2), st[0] = st[1] * a.shape(1);
+  if (kv_type(a) == KvType::F16) return dense(a, half_copy);
   return dense(a, copy);
 }
 
@@ -174,8 +184,9 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
   if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != S || k.shape(3) != q.shape(3) ||
       Hkv == 0 || Hq % Hkv)
     throw std::invalid_argument("[shoal sdpa] q [B, Hq, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], Hkv | Hq");
-  std::vector<mx::array> inputs{mx::astype(q, mx::float32, s), mx::astype(k, mx::float32, s),
-                                mx::astype(v, mx::float32, s)};
+  // A float16 cache is read as it is; keys and values of other or mixed types as float32.
+  const mx::Dtype kv = k.dtype() == mx::float16 && v.dtype() == mx::float16 ? mx::float16 : mx::float32;
+  std::vector<mx::array> inputs{mx::astype(q, mx::float32, s), mx::astype(k, kv, s), mx::astype(v, kv, s)};
   MaskKind kind = MaskKind::None;
   if (mask && std::holds_alternative<std::string>(*mask)) {
     if (std::get<std::string>(*mask) != "causal") throw std::invalid_argument("[shoal sdpa] mask must be 'causal'");
@@ -200,10 +211,12 @@ void FusedSDPA::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
                                      has_sinks = sinks_]() {
     const mx::array& q = in[0];
     std::vector<float> qcopy, kcopy, vcopy;
+    std::vector<mx::float16_t> khalf, vhalf;
     Attention a{dense(q, qcopy), q.shape(0), q.shape(1), q.shape(2), q.shape(3), nullptr, {}, nullptr, {},
-                in[1].shape(1), in[1].shape(2), in[2].shape(3), scale, kind, nullptr, {}, nullptr, 0, y};
-    a.k = dense_rows(in[1], kcopy, a.ks);
-    a.v = dense_rows(in[2], vcopy, a.vs);
+                in[1].shape(1), in[1].shape(2), in[2].shape(3), kv_type(in[1]), scale, kind, nullptr, {}, nullptr,
+                0, y};
+    a.k = dense_rows(in[1], kcopy, khalf, a.ks);
+    a.v = dense_rows(in[2], vcopy, vhalf, a.vs);
     if (kind == MaskKind::Additive || kind == MaskKind::Boolean) {
       a.mask = kind == MaskKind::Boolean ? static_cast<const void*>(in[3].data<bool>()) : in[3].data<float>();
       mask_strides(in[3], a.ms);
@@ -236,8 +249,13 @@ std::vector<float> fused_detail::decode_angles(const DecodeAttention::Params& p,
 void fused_detail::decode_step(const DecodeStep& s) {
   const auto& p = s.p;
   const int B = s.B, Hq = s.Hq, Hkv = s.Hkv, D = s.D, Dv = s.Dv;
-  thread_local std::vector<float> qr;
+  thread_local std::vector<float> qr, kr;
   qr.resize(static_cast<size_t>(B) * Hq * D);
+  kr.resize(D);
+  const long unit = static_cast<long>(kv_bytes(s.kv));
+  auto at = [unit](void* cache, const long st[3], int b, int h, int index) {
+    return static_cast<char*>(cache) + (b * st[0] + h * st[1] + index * st[2]) * unit;
+  };
   for (int b = 0; b < B; b++) {
     const float* angles = s.angles + b * p.dims;
     for (int h = 0; h < Hq; h++) {
@@ -246,12 +264,13 @@ void fused_detail::decode_step(const DecodeStep& s) {
     }
     for (int h = 0; h < Hkv; h++) {
       const long row = static_cast<long>(b) * Hkv + h;
-      rope_row(s.k + row * D, D, p.dims, p.traditional, angles, s.kc + b * s.kst[0] + h * s.kst[1] + p.index * s.kst[2]);
-      std::memcpy(s.vc + b * s.vst[0] + h * s.vst[1] + p.index * s.vst[2], s.v + row * Dv, 4 * Dv);
+      rope_row(s.k + row * D, D, p.dims, p.traditional, angles, kr.data());
+      store_kv(kr.data(), D, at(s.kc, s.kst, b, h, p.index), s.kv);
+      store_kv(s.v + row * Dv, Dv, at(s.vc, s.vst, b, h, p.index), s.kv);
     }
   }
   Attention a{qr.data(), B, Hq, 1, D, s.kc, {s.kst[0], s.kst[1], s.kst[2]}, s.vc, {s.vst[0], s.vst[1], s.vst[2]},
-              Hkv, p.index + 1, Dv, p.scale, p.mask, nullptr, {}, nullptr, 0, s.out};
+              Hkv, p.index + 1, Dv, s.kv, p.scale, p.mask, nullptr, {}, nullptr, 0, s.out};
   if (p.mask != MaskKind::None) {
     const mx::array& m = *s.mask;
     a.mask = p.mask == MaskKind::Boolean ? static_cast<const void*>(m.data<bool>()) : m.data<float>();
@@ -302,14 +321,14 @@ std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, 
       keys.shape() != mx::Shape{B, Hkv, C, D} || values.shape() != mx::Shape{B, Hkv, C, Dv})
     throw std::invalid_argument(std::string("[") + op + "] q [B, Hq, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], "
                                 "keys [B, Hkv, C, D], values [B, Hkv, C, Dv], Hkv | Hq");
-  if (keys.dtype() != mx::float32 || values.dtype() != mx::float32)
-    throw std::invalid_argument(std::string("[") + op + "] the caches must be float32");
+  if (keys.dtype() != values.dtype() || (keys.dtype() != mx::float32 && keys.dtype() != mx::float16))
+    throw std::invalid_argument(std::string("[") + op + "] the caches must be both float32 or both float16");
   if (index < 0 || index >= C) throw std::invalid_argument(std::string("[") + op + "] index is outside the caches");
   std::vector<mx::array> inputs{mx::astype(q, mx::float32, s), mx::astype(k, mx::float32, s),
                                 mx::astype(v, mx::float32, s), keys, values};
   const DecodeAttention::Params p = decode_inputs(op, B, Hq, D, index, dims, traditional, base, rope_scale, offset,
                                                   scale, freqs, mask, inputs, s);
-  return mx::array::make_arrays({{B, 1, Hq * Dv}, keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+  return mx::array::make_arrays({{B, 1, Hq * Dv}, keys.shape(), values.shape()}, {mx::float32, keys.dtype(), keys.dtype()},
                                 std::make_shared<DecodeAttention>(mx::to_stream(s), p), std::move(inputs));
 }
 
@@ -331,8 +350,11 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     for (int i : {0, 1}) {  // a cache that was not donated is copied first (MLX's slice update does the same)
       if (copied[i]) {
         std::vector<float> dense_copy;
-        const float* src = dense(in[3 + i], dense_copy);
-        std::memcpy(out[1 + i].data<float>(), src, out[1 + i].nbytes());
+        std::vector<mx::float16_t> half_copy;
+        const mx::array& cache = in[3 + i];
+        const void* src = kv_type(cache) == KvType::F16 ? static_cast<const void*>(dense(cache, half_copy))
+                                                        : static_cast<const void*>(dense(cache, dense_copy));
+        std::memcpy(out[1 + i].data<void>(), src, out[1 + i].nbytes());
       }
     }
     std::vector<float> qcopy, kcopy, vcopy;
@@ -340,8 +362,8 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
         decode_angles(p, q.shape(0), off.data<int32_t>(), off.size() == 1 ? 0 : static_cast<long>(off.strides()[0]),
                       p.freqs ? in[6].data<float>() : nullptr, p.freqs ? in[6].strides()[0] : 0);
     DecodeStep step{p, q.shape(0), q.shape(1), in[1].shape(1), q.shape(3), in[2].shape(3), dense(q, qcopy),
-                    dense(in[1], kcopy), dense(in[2], vcopy), angles.data(), out[1].data<float>(), {},
-                    out[2].data<float>(), {}, nullptr, out[0].data<float>()};
+                    dense(in[1], kcopy), dense(in[2], vcopy), angles.data(), out[1].data<void>(), {},
+                    out[2].data<void>(), {}, kv_type(out[1]), nullptr, out[0].data<float>()};
     for (int d = 0; d < 3; d++) step.kst[d] = out[1].strides()[d], step.vst[d] = out[2].strides()[d];
     if (p.mask != MaskKind::None) step.mask = &in.back();
     decode_step(step);

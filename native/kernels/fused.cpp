@@ -32,22 +32,40 @@ float dot(const float* a, const float* b, int n) {
   return t;
 }
 
-void portable_qk(const float* q, int R, const float* k, long ks, int S, int D, float scale, float* scores) {
-  for (int s = 0; s < S; s++)
-    for (int r = 0; r < R; r++) scores[static_cast<long>(r) * S + s] = scale * dot(q + r * D, k + s * ks, D);
+template <typename T>
+void qk_rows(const float* q, int R, const T* k, long ks, int S, int D, float scale, float* scores) {
+  std::vector<float> row(D);
+  for (int s = 0; s < S; s++) {
+    const float* kr = as_floats(k + s * ks, D, row.data());
+    for (int r = 0; r < R; r++) scores[static_cast<long>(r) * S + s] = scale * dot(q + r * D, kr, D);
+  }
 }
 
-void portable_pv(const float* p, int R, const float* v, long vs, int S, int Dv, float* out) {
+void portable_qk(const float* q, int R, const void* k, KvType kt, long ks, int S, int D, float scale,
+                 float* scores) {
+  if (kt == KvType::F16) return qk_rows(q, R, static_cast<const mx::float16_t*>(k), ks, S, D, scale, scores);
+  qk_rows(q, R, static_cast<const float*>(k), ks, S, D, scale, scores);
+}
+
+template <typename T>
+void pv_rows(const float* p, int R, const T* v, long vs, int S, int Dv, float* out) {
   std::fill(out, out + static_cast<long>(R) * Dv, 0.0f);
+  std::vector<float> row(Dv);
   for (int s = 0; s < S; s++) {
-    const float* vr = v + s * vs;
+    const float* vr = nullptr;
     for (int r = 0; r < R; r++) {
       const float w = p[static_cast<long>(r) * S + s];
       if (w == 0.0f) continue;  // masked keys (causal prefill) cost nothing
+      if (!vr) vr = as_floats(v + s * vs, Dv, row.data());
       float* o = out + static_cast<long>(r) * Dv;
       for (int d = 0; d < Dv; d++) o[d] += w * vr[d];
     }
   }
+}
+
+void portable_pv(const float* p, int R, const void* v, KvType vt, long vs, int S, int Dv, float* out) {
+  if (vt == KvType::F16) return pv_rows(p, R, static_cast<const mx::float16_t*>(v), vs, S, Dv, out);
+  pv_rows(p, R, static_cast<const float*>(v), vs, S, Dv, out);
 }
 
 float portable_sumsq(const float* x, int n) { return dot(x, x, n); }

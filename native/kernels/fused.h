@@ -16,13 +16,17 @@ namespace shoal {
 
 namespace mx = mlx::core;
 
+// How a KV cache holds its keys and values: float32, or float16 as llama.cpp's does (half the bytes
+// a deep cache reads each decode step; read back exactly, as float32, before any arithmetic).
+enum class KvType { F32, F16 };
+
 // The inner loops, one set per instruction set (fused.cpp: portable C++; fused_avx2.cpp: AVX2+FMA).
 struct FusedKernels {
   const char* name;
-  // scores[r * S + s] = scale * dot(q[r * D ...], k[s * ks ...]) for r < R, s < S.
-  void (*qk)(const float* q, int R, const float* k, long ks, int S, int D, float scale, float* scores);
-  // out[r * Dv + d] = sum over s of p[r * S + s] * v[s * vs + d].
-  void (*pv)(const float* p, int R, const float* v, long vs, int S, int Dv, float* out);
+  // scores[r * S + s] = scale * dot(q[r * D ...], k[s * ks ...]) for r < R, s < S; k of type kt.
+  void (*qk)(const float* q, int R, const void* k, KvType kt, long ks, int S, int D, float scale, float* scores);
+  // out[r * Dv + d] = sum over s of p[r * S + s] * v[s * vs + d]; v of type vt.
+  void (*pv)(const float* p, int R, const void* v, KvType vt, long vs, int S, int Dv, float* out);
   // The sum of x[i]^2 for i < n.
   float (*sumsq)(const float* x, int n);
   // x = softmax(x) in place, max subtracted; a sink (-inf: none) adds exp(sink) to the denominator.

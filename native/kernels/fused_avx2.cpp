@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace shoal {
 
@@ -20,19 +21,26 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-inline float dot(const float* a, const float* b, int n) {
+// Eight keys' (values') floats from a float32 or float16 cache (F16C: exact), and one.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+template <typename T>
+inline float dot(const float* a, const T* b, int n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
   if (i + 8 <= n) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
     i += 8;
   }
   float t = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; i++) t += a[i] * b[i];
+  for (; i < n; i++) t = std::fma(a[i], load1(b + i), t);  // explicit: the same bits for either type
   return t;
 }
 
@@ -43,7 +51,8 @@ constexpr int kKeyBlock = 64;
 // result, is the same as row by row.
 
 // Eight keys at a time per query row: q is loaded once per eight FMAs, one reduction per eight dots.
-void qk(const float* q, int R, const float* k, long ks, int S, int D, float scale, float* scores) {
+template <typename T>
+void qk_rows(const float* q, int R, const T* k, long ks, int S, int D, float scale, float* scores) {
   const int Dv8 = D / 8 * 8;
   for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
     const int s1 = std::min(S, s0 + kKeyBlock);
@@ -56,7 +65,7 @@ void qk(const float* q, int R, const float* k, long ks, int S, int D, float scal
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (int d = 0; d < Dv8; d += 8) {
           const __m256 qv = _mm256_loadu_ps(qr + d);
-          for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (s + j) * ks + d), acc[j]);
+          for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(k + (s + j) * ks + d), acc[j]);
         }
         // Lane j of the two hadd trees is the dot of key s + j.
         const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
@@ -66,7 +75,7 @@ void qk(const float* q, int R, const float* k, long ks, int S, int D, float scal
         _mm256_store_ps(dots, _mm256_add_ps(lo, hi));
         for (int j = 0; j < 8; j++) {
           float t = dots[j];
-          for (int d = Dv8; d < D; d++) t += qr[d] * k[(s + j) * ks + d];
+          for (int d = Dv8; d < D; d++) t = std::fma(qr[d], load1(k + (s + j) * ks + d), t);
           sc[s + j] = scale * t;
         }
       }
@@ -75,9 +84,15 @@ void qk(const float* q, int R, const float* k, long ks, int S, int D, float scal
   }
 }
 
+void qk(const float* q, int R, const void* k, KvType kt, long ks, int S, int D, float scale, float* scores) {
+  if (kt == KvType::F16) return qk_rows(q, R, static_cast<const uint16_t*>(k), ks, S, D, scale, scores);
+  qk_rows(q, R, static_cast<const float*>(k), ks, S, D, scale, scores);
+}
+
 // Row by row within each block of values, 32 output columns held in registers over the block's
 // keys (carried in `out` from one block to the next: the same sums in the same order).
-void pv(const float* p, int R, const float* v, long vs, int S, int Dv, float* out) {
+template <typename T>
+void pv_rows(const float* p, int R, const T* v, long vs, int S, int Dv, float* out) {
   for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
     const int s1 = std::min(S, s0 + kKeyBlock);
     for (int r = 0; r < R; r++) {
@@ -93,23 +108,28 @@ void pv(const float* p, int R, const float* v, long vs, int S, int Dv, float* ou
         for (int s = s0; s < s1; s++) {
           if (pr[s] == 0.0f) continue;  // masked keys cost nothing
           const __m256 w = _mm256_set1_ps(pr[s]);
-          const float* vr = v + s * vs + d0;
-          a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
-          a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
-          a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
-          a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+          const T* vr = v + s * vs + d0;
+          a0 = _mm256_fmadd_ps(w, load8(vr), a0);
+          a1 = _mm256_fmadd_ps(w, load8(vr + 8), a1);
+          a2 = _mm256_fmadd_ps(w, load8(vr + 16), a2);
+          a3 = _mm256_fmadd_ps(w, load8(vr + 24), a3);
         }
         _mm256_storeu_ps(o + d0, a0), _mm256_storeu_ps(o + d0 + 8, a1);
         _mm256_storeu_ps(o + d0 + 16, a2), _mm256_storeu_ps(o + d0 + 24, a3);
       }
       for (; d0 < Dv; d0++) {
         float t = s0 > 0 ? o[d0] : 0.0f;
-        for (int s = s0; s < s1; s++) t += pr[s] * v[s * vs + d0];
+        for (int s = s0; s < s1; s++) t = std::fma(pr[s], load1(v + s * vs + d0), t);
         o[d0] = t;
       }
     }
   }
   if (S == 0) std::fill(out, out + static_cast<long>(R) * Dv, 0.0f);
+}
+
+void pv(const float* p, int R, const void* v, KvType vt, long vs, int S, int Dv, float* out) {
+  if (vt == KvType::F16) return pv_rows(p, R, static_cast<const uint16_t*>(v), vs, S, Dv, out);
+  pv_rows(p, R, static_cast<const float*>(v), vs, S, Dv, out);
 }
 
 // exp(x) for x <= 0 (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); 0 below -87.

@@ -38,16 +38,38 @@ inline const float* row_of(const mx::array& a, long row, std::vector<float>& buf
   return buffer.data();
 }
 
-// Every row of `a` (float32, any strides) as one row-major block: itself when it already is one.
-inline const float* dense(const mx::array& a, std::vector<float>& copy) {
-  if (a.flags().row_contiguous) return a.data<float>();
+// Every row of `a` (float32, or T, any strides) as one row-major block: itself when it already is one.
+template <typename T = float>
+const T* dense(const mx::array& a, std::vector<T>& copy) {
+  if (a.flags().row_contiguous) return a.data<T>();
   const int D = a.ndim() ? a.shape(-1) : 1;
   const long rows = D ? static_cast<long>(a.size() / D) : 0;
+  const long step = a.ndim() ? a.strides().back() : 1;
   copy.resize(a.size());
-  std::vector<float> buffer;
-  for (long r = 0; r < rows; r++) std::memcpy(copy.data() + r * D, row_of(a, r, buffer), 4 * D);
+  for (long r = 0; r < rows; r++) {
+    const T* p = a.data<T>() + row_offset(a, r);
+    for (int j = 0; j < D; j++) copy[r * D + j] = p[j * step];
+  }
   return copy.data();
 }
+
+// A KV cache's type, and n values of a row of it as float32 (exact: float16 widens without rounding).
+inline KvType kv_type(const mx::array& a) { return a.dtype() == mx::float16 ? KvType::F16 : KvType::F32; }
+inline const float* as_floats(const float* x, int, float*) { return x; }
+inline const float* as_floats(const mx::float16_t* x, int n, float* out) {
+  for (int i = 0; i < n; i++) out[i] = static_cast<float>(x[i]);
+  return out;
+}
+// n float32 values into a row of a KV cache of type t (float16: rounded to nearest even, as MLX's astype).
+inline void store_kv(const float* x, int n, void* out, KvType t) {
+  if (t == KvType::F32) {
+    std::memcpy(out, x, sizeof(float) * n);
+    return;
+  }
+  auto* h = static_cast<mx::float16_t*>(out);
+  for (int i = 0; i < n; i++) h[i] = mx::float16_t(x[i]);
+}
+inline size_t kv_bytes(KvType t) { return t == KvType::F16 ? 2 : 4; }
 
 // Run body(r0, r1) over [0, rows) on the pool when the work is worth it, else on this thread.
 template <typename Body>
@@ -105,17 +127,18 @@ inline void rope_row(const float* x, int D, int dims, bool traditional, const fl
 }
 
 // Attention of q [B, Hq, L, D] (row-major) over S keys and values into y [B, Hq, L, Dv]. k and v
-// rows are dense, `ks`/`vs` their batch, head and position strides. An array mask is read at
+// (float32 or float16) rows are dense, `ks`/`vs` their batch, head and position strides. An array mask is read at
 // mask[b * ms[0] + h * ms[1] + l * ms[2] + s * ms[3]] (broadcast axes have stride 0); sinks [Hq]
 // are `sink_stride` apart. Rows are split over the pool as FusedSDPA always split them.
 struct Attention {
   const float* q;
   int B, Hq, L, D;
-  const float* k;
+  const void* k;  // of type kv, as v
   long ks[3];
-  const float* v;
+  const void* v;
   long vs[3];
   int Hkv, S, Dv;
+  KvType kv;
   float scale;
   MaskKind kind;
   const void* mask;
@@ -136,10 +159,11 @@ struct DecodeStep {
   int B, Hq, Hkv, D, Dv;
   const float *q, *k, *v;
   const float* angles;
-  float* kc;
+  void* kc;  // of type kv, as vc
   long kst[3];
-  float* vc;
+  void* vc;
   long vst[3];
+  KvType kv;
   const mx::array* mask;
   float* out;
 };

@@ -80,10 +80,11 @@ mx::array decoder_stack(const mx::array& x, const StackPlan& plan, const std::ve
   if (index < 0) throw bad("index is outside the caches");
   for (size_t l = 0; l < plan.size(); l++) {
     const mx::array &k = keys[l], &v = values[l];
-    if (k.ndim() != 4 || v.ndim() != 4 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
+    if (k.ndim() != 4 || v.ndim() != 4 || k.dtype() != v.dtype() ||
+        (k.dtype() != mx::float32 && k.dtype() != mx::float16) ||
         k.shape() != mx::Shape{B, plan.Hkv, k.shape(2), plan.D} ||
         v.shape() != mx::Shape{B, plan.Hkv, k.shape(2), plan.Dv})
-      throw bad("caches must be float32 keys [B, Hkv, C, D] and values [B, Hkv, C, Dv]");
+      throw bad("caches must be keys [B, Hkv, C, D] and values [B, Hkv, C, Dv], both float32 or both float16");
     if (index >= k.shape(2)) throw bad("index is outside the caches");
   }
   std::vector<mx::array> inputs{mx::astype(x, mx::float32, s)};
@@ -107,8 +108,9 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
     const float *norm, *q_norm, *k_norm, *post;
     std::vector<Bound> head;  // q, k, v
     std::vector<Bound> tail;  // o, gate, up, down
-    float *kc, *vc;
+    void *kc, *vc;
     long kst[3], vst[3];
+    KvType kv;
   };
   std::vector<Bounds> bound(n);
   size_t at = p_.freqs ? 3 : 2;
@@ -124,12 +126,12 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
     for (int i = 4; i < 7; i++) b.tail.push_back(bound_at(layers[l].projections[i], inputs, at));
     const mx::array &k = inputs[first_cache + l], &v = inputs[first_cache + n + l];
     if (!k.flags().row_contiguous || !v.flags().row_contiguous) throw bad("caches must be row-contiguous");
-    b.kc = const_cast<float*>(k.data<float>()), b.vc = const_cast<float*>(v.data<float>());
+    b.kc = const_cast<void*>(k.data<void>()), b.vc = const_cast<void*>(v.data<void>()), b.kv = kv_type(k);
     for (int d = 0; d < 3; d++) b.kst[d] = k.strides()[d], b.vst[d] = v.strides()[d];
   }
   const mx::array& x = inputs[0];
   DecodeStep step{p_, x.shape(0), Hq_, Hkv_, D_, Dv_, nullptr, nullptr, nullptr, nullptr, nullptr, {}, nullptr, {},
-                  nullptr, nullptr};
+                  KvType::F32, nullptr, nullptr};
   std::optional<mx::array> mask_copy;
   if (mask) mask_copy = mx::array::unsafe_weak_copy(*mask);
   // The inputs' values exist only once the stream reaches this task (their buffers already do).
@@ -160,7 +162,7 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
         rms_rows(q.data(), M * step.Hq, step.D, b.q_norm, layer.qk_eps, q.data());
         rms_rows(k.data(), M * step.Hkv, step.D, b.k_norm, layer.qk_eps, k.data());
       }
-      step.kc = b.kc, step.vc = b.vc;
+      step.kc = b.kc, step.vc = b.vc, step.kv = b.kv;
       for (int d = 0; d < 3; d++) step.kst[d] = b.kst[d], step.vst[d] = b.vst[d];
       decode_step(step);
       float* out = l + 1 == bound.size() ? y : h[l % 2].data();

@@ -61,7 +61,7 @@ class DecoderStack : public mx::Primitive {
 };
 
 // x [B, 1, E] through every layer of `plan`; keys[l] [B, Hkv, C, D] and values[l] [B, Hkv, C, Dv]
-// (float32, row-contiguous) get the step's position written at `index`. Rope, offset, scale, freqs
+// (float32 or float16, row-contiguous) get the step's position written at `index`. Rope, offset, scale, freqs
 // and mask as decode_attention takes them. Returns the last layer's output [B, 1, E].
 mx::array decoder_stack(const mx::array& x, const StackPlan& plan, const std::vector<mx::array>& keys,
                         const std::vector<mx::array>& values, int index, int dims, bool traditional,

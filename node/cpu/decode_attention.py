@@ -9,8 +9,8 @@ loops), so the step's bits do not change; tests/test_decode_attention.py holds i
 
 It covers what a decode step on the CPU meets: one new position per sequence, mlx-lm's `KVCache`
 (one sequence) and `BatchKVCache` (continuous batching) with room left in their buffers, float32
-caches, plain or Llama-3 rope. Anything else (a cache that must grow, rotating or quantized
-caches, other rope variants) returns None and the caller takes mlx-lm's own path.
+or float16 caches (`node.cpu.kv_cache`), plain or Llama-3 rope. Anything else (a cache that must
+grow, rotating or quantized caches, other rope variants) returns None and the caller takes mlx-lm's own path.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
+from node.cpu.kv_cache import readable_caches
 from node.cpu.mlx_lm_quirks import advance_batch, rope_frequencies, write_index
 
 
@@ -71,7 +72,7 @@ def cached_attention(
         return None
     index = write_index(cache)
     keys, values = cache.keys, cache.values
-    if index >= keys.shape[2] or keys.dtype != mx.float32 or values.dtype != mx.float32:
+    if index >= keys.shape[2] or not readable_caches(keys, values):
         return None
     if q.shape[2] != 1 or not (mask is None or isinstance(mask, mx.array) or mask == "causal"):
         return None

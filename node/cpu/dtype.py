@@ -43,6 +43,7 @@ from node.cpu.kernel_layers import (
     KernelQuantizedLinear,
     kernel_layer,
 )
+from node.cpu.kv_cache import install_kv_cache
 from node.cpu.layer_eval import evaluate_layers_in_prefill
 from node.cpu.memory import available_memory_bytes
 from node.cpu.moe_blocks import fuse_moe_blocks
@@ -225,7 +226,7 @@ def apply_dtype_policy(
             kernels = load_kernels() if kernels_enabled() else KernelLoad(None, "turned off by configuration")
         if kernels.module is not None:
             # Every CPU model gains from these (float32 ones too); process-wide, idempotent.
-            log.info("%s", install_fused_ops(kernels.module))
+            log.info("%s; %s", install_fused_ops(kernels.module), install_kv_cache())
         if kernels.module is not None and stored != "float32":
             decision = _keep_as_stored(model, kernels, stored, available)
         else:

@@ -13,15 +13,15 @@ and mlx.nn look them up at call time (`nn.RMSNorm`, `nn.RoPE`, `rope_utils.Llama
 every model picks the wrappers up.
 
 Covered natively: rms_norm of float32 x with no weight or a 1-D float one; rope of float32 x with
-ndim >= 3, even dims, base or freqs, an int offset or an integer array of 1 or x.shape[0]
-offsets; attention with float32 q/k/v, any number of queries (decode and prefill: the kernel
-streams keys per block of queries, never materialising the scores; at 512 prompt tokens it ran
-in 21 ms where the fallback took 170-775 ms), mask None, "causal", a bool or float32 array,
-sinks or none; `nn.silu` of float32 arrays (MLX's CPU sigmoid is scalar: 113 ms
-for a prefill MLP's 512 x 8192 gate, 1.9 ms here); `mx.logsumexp` of float32 over the last axis
-(mlx-lm's generators normalize every decode step's logits with it: 690 us over a 49k vocabulary
-in MLX, whose exp is scalar too, 32 us here). Everything else (16-bit activations, an explicit
-stream, other axes) is MLX's own.
+ndim >= 3, even dims, base or freqs, an int offset or an integer array of 1 or x.shape[0] offsets;
+attention with float32 q and float32 or float16 k/v (`node.cpu.kv_cache`), any number of queries
+(decode and prefill: the kernel streams keys per block of queries, never materialising the scores;
+at 512 prompt tokens it ran in 21 ms where the fallback took 170-775 ms), mask None, "causal", a
+bool or float32 array, sinks or none; `nn.silu` of float32 arrays (MLX's CPU sigmoid is scalar: 113
+ms for a prefill MLP's 512 x 8192 gate, 1.9 ms here); `mx.logsumexp` of float32 over the last axis
+(mlx-lm's generators normalize every decode step's logits with it: 690 us over a 49k vocabulary in
+MLX, whose exp is scalar too, 32 us here). Everything else (16-bit activations, an explicit stream,
+other axes) is MLX's own.
 """
 
 from __future__ import annotations
@@ -141,7 +141,9 @@ def _make_sdpa(kernels: ModuleType, original: Callable[..., Any]) -> Callable[..
             _on_cpu(stream)
             and not force_fused
             and q.ndim == 4
-            and q.dtype == k.dtype == v.dtype == mx.float32
+            and q.dtype == mx.float32
+            and k.dtype == v.dtype
+            and k.dtype in (mx.float32, mx.float16)
             and (sinks is None or sinks.dtype == mx.float32)
             and _mask_ok(mask)
         ):

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from node.cpu.decode_attention import RopeSpec, rope_spec
 from node.cpu.fused_layers import _FusedBlock, projection, tail_args
+from node.cpu.kv_cache import readable_caches
 from node.cpu.mlx_lm_quirks import advance_batch, put_mixin, write_index
 
 STACKABLE_MODELS = {
@@ -157,8 +158,8 @@ class _StackedModel:
             keys.append(c.keys)
             values.append(c.values)
         arrays = keys + values
-        if any(a.shape[2] <= index or a.dtype != mx.float32 for a in arrays):
-            return None  # a cache must grow (mlx-lm's update does it) or is not float32
+        if any(a.shape[2] <= index or not readable_caches(a, keys[0]) for a in arrays):
+            return None  # a cache must grow (mlx-lm's update does it), or is of another dtype
         # MLX holds an operation's inputs until it has run, so a pipelined step finds the caches
         # the previous one is still writing shared: only new caches are checked.
         checked = stack.checked(arrays)

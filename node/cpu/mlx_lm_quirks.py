@@ -16,6 +16,11 @@ Private attributes (`node.cpu.decode_attention`, `fused_stack`, `moe_blocks`):
   by the batch; `offset` is an array per sequence) and advances both in `update_and_fetch`.
 - `swiglu_oai_constants`: `SwigluOAI` (gpt_oss's experts) keeps alpha and limit in `_alpha`,
   `_limit`.
+- `store_caches_as` (`node.cpu.kv_cache`): `KVCache`, `BatchKVCache`, `RotatingKVCache` and
+  `BatchRotatingKVCache` allocate their buffers as the keys and values `update_and_fetch` is given
+  (`mx.zeros(shape, keys.dtype)`, concatenation) and write them by slice assignment, which casts;
+  their merges, trims and states copy the dtype they hold. So keys and values handed over as
+  float16 make float16 caches, and every view of them is float16.
 
 What a generic pipeline stage relies on (`node.pipeline.generic`):
 
@@ -45,12 +50,12 @@ What a generic pipeline stage relies on (`node.pipeline.generic`):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 READ_FROM = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
 """The versions whose source these facts were read from."""
@@ -85,6 +90,32 @@ def advance_batch(cache: Any, offset: mx.array | None = None) -> None:
     the new offsets, one array that every layer's cache may share)."""
     cache.offset = cache.offset + 1 if offset is None else offset
     cache._idx += 1
+
+
+STORED_CACHES = (KVCache, BatchKVCache, RotatingKVCache, BatchRotatingKVCache)
+"""The cache classes whose buffers take the dtype of what `update_and_fetch` is given."""
+_OWN_UPDATES: dict[type, Callable[..., Any]] = {}
+
+
+def store_caches_as(dtype: mx.Dtype | None) -> None:
+    """Make `STORED_CACHES` keep float32 keys and values as `dtype`, process-wide (None: mlx-lm's
+    own `update_and_fetch` back). Other dtypes are stored as they come."""
+    for cls in STORED_CACHES:
+        own = _OWN_UPDATES.setdefault(cls, cls.update_and_fetch)
+        if dtype is None:
+            cls.update_and_fetch = own  # type: ignore[method-assign]
+            continue
+
+        def update_and_fetch(
+            self: Any, keys: mx.array, values: mx.array, own: Callable[..., Any] = own, to: mx.Dtype = dtype
+        ) -> Any:
+            if keys.dtype == mx.float32:
+                keys = keys.astype(to)
+            if values.dtype == mx.float32:
+                values = values.astype(to)
+            return own(self, keys, values)
+
+        cls.update_and_fetch = update_and_fetch  # type: ignore[method-assign]
 
 
 def swiglu_oai_constants(activation: Any) -> tuple[float, float]:
