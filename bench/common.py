@@ -59,17 +59,6 @@ def median_run(runs: list[Run]) -> Run:
     return Run(statistics.median(r.ttft_s for r in runs), statistics.median(r.decode_tps for r in runs))
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), printed with every speed figure: hosts differ."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def loadavg() -> str:
     """The 1, 5 and 15 minute load averages (`/proc/loadavg`), as `0.42 0.76 1.40`."""
     return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())

@@ -24,9 +24,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import moe_models
-from bench.common import cpu_model, loadavg
+from bench.common import loadavg
 from bench.llamacpp import GGUF_QUANTS, LlamaCpp, ensure_llamacpp, llama_bench, prepare_ggufs
 from bench.side_by_side import OUTPUT_TOKENS, STORY, shoal_decode, start_shoal, wall_request
+from node.cpu.calibration import cpu_model
 from node.cpu.fastpath import usable_cores
 
 MODELS = ["smollm2", *GGUF_QUANTS, *moe_models.GGUF_ROWS]

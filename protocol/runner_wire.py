@@ -42,8 +42,8 @@ class RunnerSettings:
     node answers `overloaded` (HTTP 429) at once instead of letting a client wait for minutes."""
     prefix_cache_tokens: int = 8192
     """KV cache kept from finished requests so the next turn of a chat prefills only its new tokens;
-    0 = off. Memory: tokens x layers x 2 x kv_heads x head_dim x 4 bytes (float32), e.g. 8192 tokens
-    = 0.4 GB for SmolLM2-135M, 1.9 GB for Qwen3-0.6B."""
+    0 = off. Memory: tokens x layers x 2 x kv_heads x head_dim x 2 bytes (float16 on the CPU kernels),
+    e.g. 8192 tokens = 0.2 GB for SmolLM2-135M, 0.9 GB for Qwen3-0.6B."""
     fast_path: bool = True
     """Runners use the BLAS fast path where it is available (Linux CPU); off = plain MLX, for
     comparisons and as the escape hatch should the fast path misbehave on some machine."""

@@ -35,6 +35,12 @@ rightly declared dead, which moves instances for nothing; such a test gets one r
 Not test_cluster_files_nodes: its first test leaves the instance and fetched files in its module's
 cluster, so a rerun fails on those ("200 == 201") and hides the first failure's traceback."""
 
+os.environ.setdefault("SHOAL_KERNEL_CALIBRATE", "off")
+"""Test processes, and the nodes, runners and stages they start, run the widest kernel set, as
+before calibration: processes that measured apart could pick different sets, whose results differ
+in the last bits, enough to turn a random model's near-ties where a test compares text across
+processes (pipeline stages against one process). tests/test_calibration.py turns it on."""
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """With SHOAL_NATIVE=required (CI), a missing kernel extension or BLAS shim ends the run

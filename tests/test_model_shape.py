@@ -260,7 +260,7 @@ def test_kernels_count_quantized_and_16_bit_weights_as_stored(bf16_model: Path, 
     assert kept.weight_bytes < 0.2 * dense.weight_bytes  # 4-bit + scales vs float32
     # as stored, but for the 1-D norms that become float32 (2 -> 4 bytes)
     assert stored.weight_bytes <= kept.weight_bytes < 1.05 * stored.weight_bytes
-    assert kept.kv_bytes_per_token == dense.kv_bytes_per_token  # activations are float32 either way
+    assert 2 * kept.kv_bytes_per_token == dense.kv_bytes_per_token  # the kernels' caches are float16
     bf16_kept = model_shape("b", bf16_model, runtime_dtype_bytes=4, kernels=True)
     assert bf16_kept.weight_bytes < 0.55 * model_shape("b", bf16_model, runtime_dtype_bytes=4).weight_bytes
 

@@ -7,6 +7,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "choice.h"
 #include "fused.h"
 #include "gather.h"
 #include "layers.h"
@@ -44,6 +45,21 @@ NB_MODULE(_kernels, m) {
         "Whether the rows kernel rounds quantized weights' activations to int8 (else int16).");
   m.def("expert_int8_activations", [] { return shoal::expert_kernels().int8; },
         "The same for experts' products (moe_mlp, moe_routed, gather_matmul).");
+  // Kernel sets chosen by measurement per layout and row class (node/cpu/calibration.py).
+  m.def(
+      "rows_candidates",
+      [] {
+        std::vector<std::string> names;
+        for (const shoal::Kernels* k : shoal::rows_candidates()) names.push_back(k->name);
+        return names;
+      },
+      "The kernel sets a small-batch product may run on here, widest first (the default first).");
+  m.def("choose_rows_kernels", &shoal::choose_rows_kernels, "format"_a, "rows"_a, "name"_a,
+        "Run `format`'s products of `rows` rows (1, or 2-8) on the set `name` ('': the default).");
+  m.def("rows_choice", &shoal::rows_choice, "format"_a, "rows"_a, "The chosen set's name, '' for the default.");
+  m.def("time_rows", &shoal::time_rows, "weights"_a, "rows"_a, "name"_a, "repeats"_a,
+        "Seconds `repeats` rounds of one product per weight (as decoder projections: weight, scales, biases, "
+        "bias, group_size, bits) with `rows` random rows take on the set `name`.");
   m.def("has_blas", &shoal::has_blas);
   m.def("threads", &shoal::pool_threads);
   // Fused CPU versions of mx.fast.rms_norm / rope / scaled_dot_product_attention (node/runner/fused.py).

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "choice.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "pool.h"
 
@@ -130,14 +131,14 @@ void gemm_product(const Kernels& k, const Weights& w, const float* x, int M, flo
 
 Acts PreparedActs::prepare(const Weights& w, const float* x, int M, const Kernels* kernels) {
   const int groups = is_grouped(w.format) ? w.K / w.group_size : 0;
-  Acts a{M, w.K, groups, x, nullptr, nullptr, nullptr};
+  const Kernels& k = kernels ? *kernels : rows_kernels(w.format, M);
+  Acts a{M, w.K, groups, x, nullptr, nullptr, nullptr, &k};
   if (groups) {
-    const Kernels& k = kernels ? *kernels : active_kernels();
     xq.resize(static_cast<size_t>(M) * w.K);
     xscale.resize(static_cast<size_t>(M) * groups);
     xsum.resize(static_cast<size_t>(M) * groups);
     k.prepare(w, x, M, xq.data(), xscale.data(), xsum.data());
-    a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data(), a.kernels = &k;
+    a.xq = xq.data(), a.xscale = xscale.data(), a.xsum = xsum.data();
   }
   return a;
 }
@@ -250,26 +251,6 @@ Weights weights_of(const WeightSpec& spec, const mx::array& w, const mx::array* 
 
 namespace {
 
-// The widest kernel set this CPU runs (SHOAL_KERNEL_ISA=portable, avx2 or avx512 caps the
-// instruction set, to compare them or to rule one out); int8: its int8-activation variant where
-// it has one (AVX-512 VNNI), else the same set.
-const Kernels* widest_kernels(bool int8) {
-  const char* cap = std::getenv("SHOAL_KERNEL_ISA");
-  const std::string isa = cap ? cap : "";
-#if defined(__x86_64__)
-  const bool avx2 = avx2_kernels() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && avx512_kernels(int8) && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512vnni");
-  const bool vbmi = avx512 && avx512vbmi_kernels(int8) && __builtin_cpu_supports("avx512vbmi");
-  if (vbmi && isa != "portable" && isa != "avx2" && isa != "avx512") return avx512vbmi_kernels(int8);
-  if (avx512 && isa != "portable" && isa != "avx2") return avx512_kernels(int8);
-  if (avx2 && isa != "portable") return avx2_kernels();
-#endif
-  return &portable_kernels();
-}
-
 // SHOAL_KERNEL_ACTS: "int8" or "int16" for every quantized product; unset, int8 for experts only.
 std::string acts_setting() {
   const char* acts = std::getenv("SHOAL_KERNEL_ACTS");
@@ -283,7 +264,7 @@ const Kernels& active_kernels() {
   // a dense model has them where it matters: the built-in SmolLM2-135M answers "What is the capital
   // of France?" with "L'Étoile, ..." on int8, as llama.cpp (Q8 activations) does on the same file,
   // where int16 and float32 say Paris (a 0.08 logit margin of a 34 range).
-  static const Kernels* chosen = widest_kernels(acts_setting() == "int8");
+  static const Kernels* chosen = supported_kernels(acts_setting() == "int8").front();
   return *chosen;
 }
 
@@ -291,7 +272,7 @@ const Kernels& expert_kernels() {
   // int8 unless SHOAL_KERNEL_ACTS=int16: experts are most of a MoE model's bytes a token, the rows
   // kernel is bound by its multiply-adds there, and a token's output sums k experts' (llama.cpp
   // rounds them to int8 as well). Dense layers, attention, routers and the head stay int16.
-  static const Kernels* chosen = widest_kernels(acts_setting() != "int16");
+  static const Kernels* chosen = supported_kernels(acts_setting() != "int16").front();
   return *chosen;
 }
 

@@ -60,7 +60,7 @@ void products(const std::vector<Output>& outs, const float* x, int M);
 struct PreparedActs {
   std::vector<int16_t> xq;
   std::vector<float> xscale, xsum;
-  // M <= kMaxRows; kernels: the set whose `rows` will read them (nullptr: active_kernels()).
+  // M <= kMaxRows; kernels: the set whose `rows` will read them (nullptr: rows_kernels(), choice.h).
   Acts prepare(const Weights& w, const float* x, int M, const Kernels* kernels = nullptr);
 };
 // One `rows` product: y (row stride w->N) = a's rows @ w.T.

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from node.cpu.calibration import calibrate
 from node.cpu.expert_layers import KernelSwitchLinear, switch_layer
 from node.cpu.fused import install_fused_ops
 from node.cpu.fused_layers import fuse_decoder_layers
@@ -235,6 +236,8 @@ def apply_dtype_policy(
                 _to_float32(model, quantized)
     mx.eval(model.parameters())
     log.info("%s", decision.message)
+    if decision.kernels and kernels is not None and kernels.module is not None:
+        log.info("%s", calibrate(model, kernels.module))
     return decision
 
 

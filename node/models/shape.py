@@ -28,9 +28,10 @@ A family whose layers need more than the hidden state at a cut (`UNSPLITTABLE`) 
 in `ModelShape.unsplittable`: placement then puts it on one node, and refuses more.
 
 The KV cache per token per layer is 2 (keys and values) x kv heads x head dim x the activations'
-dtype bytes (`runtime_dtype_bytes`, else the config's `torch_dtype`, else the weights' dominant float
-dtype). Every layer is assumed to keep a full cache: an overestimate for sliding-window and
-recurrent layers. A model without attention (`num_attention_heads` absent: mamba) keeps none.
+dtype bytes (`runtime_dtype_bytes`, else the config's `torch_dtype`, else the weights' dominant
+float dtype); on the kernels, `KERNEL_KV_BYTES` (`node.cpu.kv_cache` keeps the caches float16).
+Every layer is assumed to keep a full cache: an overestimate for sliding-window and recurrent
+layers. A model without attention (`num_attention_heads` absent: mamba) keeps none.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ KERNEL_BITS = frozenset({4, 8})
 """What the CPU kernels keep as stored (node.cpu.kernel_layers): 16-bit matrices, affine 4/8-bit
 and MXFP4 layers (experts too); other modes (nvfp4 ...) are dequantized to float32 at load, and
 counted so."""
+KERNEL_KV_BYTES = 2
+"""A KV-cache element on the kernels: float16 (`node.cpu.kv_cache`; its float32 setting is for
+comparisons, and placement does not follow it)."""
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 _PER_LAYER_INPUTS = "its layers take per-layer inputs computed from the token ids"
@@ -160,7 +164,9 @@ def model_shape(
         embedding_bytes=embedding,
         head_bytes=head,
         tied_embeddings=tied if isinstance(tied, bool) else not has_lm_head,
-        kv_bytes_per_token=_kv_bytes_per_token(config, tensors, runtime_dtype_bytes),
+        kv_bytes_per_token=_kv_bytes_per_token(
+            config, tensors, KERNEL_KV_BYTES if kernels and runtime_dtype_bytes else runtime_dtype_bytes
+        ),
         context_length=context_length,
         unsplittable=UNSPLITTABLE.get(str(config.get("model_type")), ""),
     )
