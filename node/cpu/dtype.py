@@ -235,9 +235,9 @@ def apply_dtype_policy(
             if decision.converted:
                 _to_float32(model, quantized)
     mx.eval(model.parameters())
-    log.info("%s", decision.message)
     if decision.kernels and kernels is not None and kernels.module is not None:
         log.info("%s", calibrate(model, kernels.module))
+    log.info("%s", decision.message)  # last: what the runner did with the weights
     return decision
 
 
