@@ -29,7 +29,6 @@ class NextHopFeed:
         self._on_closed = on_closed
         self._lock = threading.Lock()
         self._address: tuple[str, int] | None = None
-        self.closed = threading.Event()
         self._thread = threading.Thread(target=self._read, name="next-hop", daemon=True)
         self._thread.start()
 
@@ -51,5 +50,4 @@ class NextHopFeed:
         except (FrameError, ValueError, OSError) as exc:
             log.error("bad next hop from the node (%s); stopping", exc)
         finally:
-            self.closed.set()
             self._on_closed()
