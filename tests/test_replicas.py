@@ -15,7 +15,7 @@ from protocol.health import RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.placement import MAX_REPLICAS, PlacementError, place_replicas
 from protocol.replicas import Replica, load_view, order_replicas, replicas_of
-from tests.test_leader_control import GIB, ME, SHAPE, ask, leader_of, run
+from tests.control_fakes import GIB, ME, SHAPE, ask, leader_of, run
 
 A, B, C = NodeId("a-node"), NodeId("b-node"), NodeId("c-node")
 
