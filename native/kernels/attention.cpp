@@ -125,17 +125,24 @@ void fused_detail::attend(const Attention& a) {
 
 namespace {
 
-// k or v (float32 or float16) with a dense last axis: itself, or a row-major copy (rare: a transposed
-// cache), in `copy` or `half_copy` by its type.
-const void* dense_rows(const mx::array& a, std::vector<float>& copy, std::vector<mx::float16_t>& half_copy,
-                       long st[3]) {
+// A cache (float32 or float16) as one row-major block: itself, or a copy in the buffer of its type.
+struct KvCopy {
+  std::vector<float> f32;
+  std::vector<mx::float16_t> f16;
+  const void* of(const mx::array& a) {
+    if (kv_type(a) == KvType::F16) return dense(a, f16);
+    return dense(a, f32);
+  }
+};
+
+// k or v with a dense last axis: itself, or a row-major copy (rare: a transposed cache).
+const void* dense_rows(const mx::array& a, KvCopy& copy, long st[3]) {
   if (a.strides()[3] == 1 || a.shape(3) == 1) {
     for (int d = 0; d < 3; d++) st[d] = a.strides()[d];
     return a.data<void>();
   }
   st[2] = a.shape(3), st[1] = st[2] * a.shape(2), st[0] = st[1] * a.shape(1);
-  if (kv_type(a) == KvType::F16) return dense(a, half_copy);
-  return dense(a, copy);
+  return copy.of(a);
 }
 
 // The strides that read `mask` (at most 4-D, right-aligned) as [B, Hq, L, S]: 0 on broadcast axes.
@@ -210,13 +217,13 @@ void FusedSDPA::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   dispatch(stream(), inputs, {out}, [in = weak(inputs), y = out.data<float>(), scale = scale_, kind = mask_,
                                      has_sinks = sinks_]() {
     const mx::array& q = in[0];
-    std::vector<float> qcopy, kcopy, vcopy;
-    std::vector<mx::float16_t> khalf, vhalf;
+    std::vector<float> qcopy;
+    KvCopy kcopy, vcopy;
     Attention a{dense(q, qcopy), q.shape(0), q.shape(1), q.shape(2), q.shape(3), nullptr, {}, nullptr, {},
                 in[1].shape(1), in[1].shape(2), in[2].shape(3), kv_type(in[1]), scale, kind, nullptr, {}, nullptr,
                 0, y};
-    a.k = dense_rows(in[1], kcopy, khalf, a.ks);
-    a.v = dense_rows(in[2], vcopy, vhalf, a.vs);
+    a.k = dense_rows(in[1], kcopy, a.ks);
+    a.v = dense_rows(in[2], vcopy, a.vs);
     if (kind == MaskKind::Additive || kind == MaskKind::Boolean) {
       a.mask = kind == MaskKind::Boolean ? static_cast<const void*>(in[3].data<bool>()) : in[3].data<float>();
       mask_strides(in[3], a.ms);
@@ -328,7 +335,8 @@ std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, 
                                 mx::astype(v, mx::float32, s), keys, values};
   const DecodeAttention::Params p = decode_inputs(op, B, Hq, D, index, dims, traditional, base, rope_scale, offset,
                                                   scale, freqs, mask, inputs, s);
-  return mx::array::make_arrays({{B, 1, Hq * Dv}, keys.shape(), values.shape()}, {mx::float32, keys.dtype(), keys.dtype()},
+  return mx::array::make_arrays({{B, 1, Hq * Dv}, keys.shape(), values.shape()},
+                                {mx::float32, keys.dtype(), keys.dtype()},
                                 std::make_shared<DecodeAttention>(mx::to_stream(s), p), std::move(inputs));
 }
 
@@ -349,12 +357,8 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     const mx::array &q = in[0], &off = in[5];
     for (int i : {0, 1}) {  // a cache that was not donated is copied first (MLX's slice update does the same)
       if (copied[i]) {
-        std::vector<float> dense_copy;
-        std::vector<mx::float16_t> half_copy;
-        const mx::array& cache = in[3 + i];
-        const void* src = kv_type(cache) == KvType::F16 ? static_cast<const void*>(dense(cache, half_copy))
-                                                        : static_cast<const void*>(dense(cache, dense_copy));
-        std::memcpy(out[1 + i].data<void>(), src, out[1 + i].nbytes());
+        KvCopy copy;
+        std::memcpy(out[1 + i].data<void>(), copy.of(in[3 + i]), out[1 + i].nbytes());
       }
     }
     std::vector<float> qcopy, kcopy, vcopy;
