@@ -10,6 +10,7 @@ that the runner respects is also one placement respects.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,3 +55,22 @@ def _cgroup_limit(cgroup: Path) -> tuple[int, int] | None:
         return int(limit), int((cgroup / "memory.current").read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def release_free_heap() -> bool:
+    """Give the pages the C heap holds free back to the OS (glibc's `malloc_trim(0)`); False where
+    there is no glibc (macOS, musl), which needs no help or offers none.
+
+    glibc keeps freed small allocations for reuse: loading a model parses tokenizer.json (the
+    tokenizers library builds and drops ~30 MB of JSON values for a 49k vocabulary) and reads
+    weights through buffers it frees, and those pages stay in the runner's resident memory for
+    good (measured: 33 MB after SmolLM2-135M's tokenizer, 49 MB after a 1B model's load). A
+    runner calls this once loaded and each time it goes idle; it takes milliseconds.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

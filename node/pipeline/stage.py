@@ -44,6 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from node.children.process import exit_when_orphaned
+from node.cpu.memory import release_free_heap
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.gate import ACCEPT_POLL, Gate
 from node.pipeline.hop import (
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare = apply_dtype_policy
     shard = load_shard(args.model_path, start=args.start, end=args.end, prepare=prepare)
+    release_free_heap()  # what loading freed (node.cpu.memory says why)
     host, port = parse_address(args.listen) if ":" in args.listen else ("127.0.0.1", int(args.listen))
     server = StageServer(
         shard,

@@ -20,6 +20,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+import mlx.core as mx
+
+from node.cpu.memory import release_free_heap
 from node.runner.engine import LoadedModel, load_model
 from node.runner.prefix_cache import PrefixCache
 from node.runner.scheduler import Scheduler
@@ -113,9 +116,18 @@ def _read_commands(commands: Iterator[RunnerMessage], inbox: _Inbox) -> None:
         inbox.close()
 
 
+def _settle() -> None:
+    """Hand back what the last load or requests left free: MLX's buffer cache and the C heap's
+    free pages, so an idle runner holds its weights, caches and little else."""
+    mx.clear_cache()
+    release_free_heap()
+
+
 def _take_requests(inbox: _Inbox, scheduler: Scheduler) -> bool:
     """Submit every queued request, waiting for one when nothing runs; False once stdin closed."""
     block = scheduler.idle
+    if block and inbox.pending.empty():
+        _settle()
     while True:
         try:
             request = inbox.pending.get(block=block)
@@ -136,6 +148,7 @@ def _start_serving(
     # What loading left (modules, the tokenizer: ~10^6 objects) never becomes garbage; frozen, the
     # collector stops walking it on every full collection while tokens are generated.
     gc.freeze()
+    _settle()
 
     def emit(request_id: RequestId, event: ChunkEvent) -> None:
         wire.send(RequestEvent(request_id=request_id, event=event))
@@ -230,6 +243,8 @@ def _pipeline_main(
                 is_cancelled=inbox.is_cancelled,
                 prefill_step_size=spec.prefill_step_size,
             )
+            if inbox.pending.empty():
+                _settle()
     finally:
         driver.close()
     return 0
