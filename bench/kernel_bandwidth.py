@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx
 
 from bench.runner_speed import memory_bandwidth
+from node.cpu.calibration import cpu_model
 from node.native import load_kernels
 
 N, K = 8192, 2048
@@ -73,7 +74,7 @@ def main() -> None:
     load = load_kernels()
     if load.module is None:
         sys.exit(f"no kernels: {load.reason}")
-    print(f"kernels: {load.reason}")
+    print(f"{cpu_model()}; kernels: {load.reason}")
     threads = int(load.module.threads())
     before = memory_bandwidth(threads, 1.0)
     rows = []

@@ -51,6 +51,7 @@ from bench.llamacpp import (
 )
 from bench.runner_speed import memory_bandwidth, prompt_text
 from bench.side_by_side import OUTPUT_TOKENS, Measured, bench_mlx_lm, bench_shoal
+from node.cpu.calibration import cpu_model
 from node.cpu.fastpath import usable_cores
 
 PROMPT_TOKENS = 500
@@ -156,7 +157,8 @@ def print_table(results: list[Result], bandwidth: float, threads: int) -> None:
         ]
         for line in filter(None, notes):
             print(f"{'':<32} {line}")
-    print(f"\n{threads} threads, memory bandwidth {bandwidth:.1f} GB/s (numpy sum, best of start/end)")
+    print(f"\n{cpu_model()}, {threads} threads")
+    print(f"memory bandwidth {bandwidth:.1f} GB/s (numpy sum, best of start/end)")
 
 
 def main() -> None:
@@ -184,7 +186,7 @@ def main() -> None:
 
     threads = args.threads
     llama = find_llamacpp() if args.skip_llamacpp else ensure_llamacpp(jobs=threads)
-    print(f"load average at the start: {loadavg()}", flush=True)
+    print(f"{cpu_model()}; load average at the start: {loadavg()}", flush=True)
     before = memory_bandwidth(threads, gib=1.0)
     print(f"memory bandwidth: {before:.1f} GB/s with {threads} threads", flush=True)
     from mlx_lm.utils import load_tokenizer
