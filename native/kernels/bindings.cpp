@@ -2,6 +2,7 @@
 // arguments and results cross as the same Python type mlx.core uses.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
@@ -14,6 +15,7 @@
 #include "matmul.h"
 #include "moe.h"
 #include "stack.h"
+#include "tensor_link.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -38,6 +40,32 @@ NB_MODULE(_kernels, m) {
         "stream"_a = nb::none(),
         "moe_mlp with the router inside: logits = router(x), each token's top_k experts and scores by `routing` "
         "('softmax_topk': qwen3_moe, 'topk_softmax': gpt_oss); float32 [..., D].");
+  nb::class_<shoal::TensorLink>(m, "TensorLink",
+                                "A tensor-parallel group's sockets (native/kernels/tensor_link.h).")
+      .def(nb::init<std::vector<int>, int, double>(), "fds"_a, "rank"_a, "timeout_s"_a)
+      .def_prop_ro("rank", &shoal::TensorLink::rank)
+      .def_prop_ro("size", &shoal::TensorLink::size)
+      .def_prop_ro("ok", &shoal::TensorLink::ok)
+      .def_prop_ro("error", &shoal::TensorLink::error)
+      .def("close", &shoal::TensorLink::close)
+      .def(
+          "broadcast", [](shoal::TensorLink& l, nb::bytes b) { l.broadcast(std::string(b.c_str(), b.size())); },
+          "payload"_a, nb::call_guard<nb::gil_scoped_release>(), "Rank 0: send a command to every other rank.")
+      .def(
+          "receive",
+          [](shoal::TensorLink& l, double timeout_s) {
+            std::string got;
+            {
+              nb::gil_scoped_release release;
+              got = l.receive(timeout_s);
+            }
+            return nb::bytes(got.data(), got.size());
+          },
+          "timeout_s"_a, "Other ranks: rank 0's next command (b'' once the link is broken).");
+  m.def("link_sum", &shoal::link_sum, "x"_a, "link"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x summed over the link's ranks in rank order (float32).");
+  m.def("link_gather", &shoal::link_gather, "x"_a, "link"_a, "widths"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Rank 0: the ranks' x side by side on the last axis; elsewhere zeros of that shape.");
   m.def("set_blas_library", &shoal::set_blas_library, "path"_a,
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });
@@ -80,8 +108,9 @@ NB_MODULE(_kernels, m) {
         nb::kw_only(), "stream"_a = nb::none(),
         "rms_norm(x) * w, then each projection (+ bias) as [B, heads, L, head_dim].");
   m.def("decoder_tail", &shoal::decoder_tail, "attention"_a, "x"_a, "o"_a, "norm_weight"_a, "eps"_a, "gate"_a,
-        "up"_a, "down"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "h = x + o(attention); h + down(silu(gate(n)) * up(n)) with n = rms_norm(h) * w.");
+        "up"_a, "down"_a, nb::kw_only(), "link"_a = nb::none(), "stream"_a = nb::none(),
+        "h = x + o(attention); h + down(silu(gate(n)) * up(n)) with n = rms_norm(h) * w (with a link, o's and "
+        "down's outputs summed over its ranks first).");
   m.def("decode_attention", &shoal::decode_attention, "q"_a, "k"_a, "v"_a, "keys"_a, "values"_a, nb::kw_only(),
         "index"_a, "dims"_a, "traditional"_a, "base"_a.none(), "rope_scale"_a, "offset"_a, "scale"_a,
         "freqs"_a = nb::none(), "mask"_a = nb::none(), "stream"_a = nb::none(),
@@ -89,7 +118,8 @@ NB_MODULE(_kernels, m) {
   // A decode step of the whole layer stack in one operation (node/cpu/fused_stack.py). A plan's layer
   // is (norm, eps, q, k, v, q_norm, k_norm, qk_eps, o, post_norm, post_eps, gate, up, down).
   nb::class_<shoal::StackPlan>(m, "StackPlan")
-      .def(nb::init<const std::vector<shoal::StackLayerArgs>&, int, int>(), "layers"_a, "q_heads"_a, "kv_heads"_a)
+      .def(nb::init<const std::vector<shoal::StackLayerArgs>&, int, int, std::shared_ptr<shoal::TensorLink>>(),
+           "layers"_a, "q_heads"_a, "kv_heads"_a, "link"_a = nb::none())
       .def("__len__", &shoal::StackPlan::size);
   m.def("decoder_stack", &shoal::decoder_stack, "x"_a, "plan"_a, "keys"_a, "values"_a, nb::kw_only(), "index"_a,
         "dims"_a, "traditional"_a, "base"_a.none(), "rope_scale"_a, "offset"_a, "scale"_a, "freqs"_a = nb::none(),

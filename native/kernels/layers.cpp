@@ -134,11 +134,12 @@ void head_rows(const float* x, long M, int E, const float* norm_w, float eps, co
 }
 
 void tail_rows(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
-               const Bound& gate, const Bound& up, const Bound& down, float* y) {
+               const Bound& gate, const Bound& up, const Bound& down, float* y, TensorLink* link) {
   thread_local Scratch hbuf, nbuf, gbuf, ubuf, dbuf;
   const int I = gate.weights.N;
   float* h = buffer(hbuf, M * E);
   product(o.weights, att, static_cast<int>(M), h);
+  if (link) link->sum(h, M * E);
   add_into(h, x, h, M * E);  // h = x + o(attention)
   float* n = buffer(nbuf, M * E);
   rms_rows(h, M, E, norm_w, eps, n);
@@ -149,6 +150,7 @@ void tail_rows(const float* att, const float* x, long M, int E, const float* nor
   for (long i = 0; i < M * I; i++) g[i] = g[i] * u[i];  // swiglu: silu(gate) * up
   float* d = buffer(dbuf, M * E);
   product(down.weights, g, static_cast<int>(M), d);
+  if (link) link->sum(d, M * E);
   add_into(y, h, d, M * E);  // out = h + down(...)
   release_large(hbuf, nbuf, gbuf, ubuf, dbuf);
 }
@@ -220,7 +222,7 @@ std::vector<mx::Shape> DecoderHead::output_shapes(const std::vector<mx::array>& 
 
 mx::array decoder_tail(const mx::array& attention, const mx::array& x, const Projection& o,
                        const mx::array& norm_weight, float eps, const Projection& gate, const Projection& up,
-                       const Projection& down, mx::StreamOrDevice s) {
+                       const Projection& down, std::shared_ptr<TensorLink> link, mx::StreamOrDevice s) {
   check_norm(x, norm_weight);
   if (attention.ndim() != 3 || attention.shape(0) != x.shape(0) || attention.shape(1) != x.shape(1))
     throw std::invalid_argument("[shoal decoder_tail] attention must be [B, L, A] with x's B and L");
@@ -235,7 +237,7 @@ mx::array decoder_tail(const mx::array& attention, const mx::array& x, const Pro
   std::vector<mx::array> inputs{mx::astype(attention, mx::float32, s), mx::astype(x, mx::float32, s),
                                 mx::astype(norm_weight, mx::float32, s)};
   for (const Projection* p : {&o, &gate, &up, &down}) push(*p, inputs, s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderTail>(mx::to_stream(s), eps, std::move(descs)),
+  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderTail>(mx::to_stream(s), eps, std::move(descs), std::move(link)),
                    std::move(inputs));
 }
 
@@ -247,14 +249,14 @@ void DecoderTail::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   encoder.set_output_array(result);
   std::vector<mx::array> in;
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-  encoder.dispatch([in = std::move(in), y = result.data<float>(), descs = projections_, eps = eps_]() {
+  encoder.dispatch([in = std::move(in), y = result.data<float>(), descs = projections_, eps = eps_, link = link_]() {
     thread_local std::vector<float> acopy, xcopy, wcopy;
     const mx::array& x = in[1];
     size_t at = 3;
     const Bound o = bound_at(descs[0], in, at), gate = bound_at(descs[1], in, at);
     const Bound up = bound_at(descs[2], in, at), down = bound_at(descs[3], in, at);
     tail_rows(row_major(in[0], acopy), row_major(x, xcopy), static_cast<long>(x.shape(0)) * x.shape(1), x.shape(2),
-              weight_row(in[2], wcopy), eps, o, gate, up, down, y);
+              weight_row(in[2], wcopy), eps, o, gate, up, down, y, link.get());
     release_large(acopy, xcopy);
   });
 }
@@ -281,7 +283,7 @@ bool DecoderHead::is_equivalent(const mx::Primitive& other) const {
 
 bool DecoderTail::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const DecoderTail&>(other);
-  return eps_ == o.eps_ && same_specs(projections_, o.projections_);
+  return eps_ == o.eps_ && same_specs(projections_, o.projections_) && link_ == o.link_;
 }
 
 }  // namespace shoal

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "matmul.h"
+#include "tensor_link.h"
 
 namespace shoal {
 
@@ -49,8 +50,9 @@ class DecoderHead : public mx::Primitive {
 
 class DecoderTail : public mx::Primitive {
  public:
-  DecoderTail(mx::Stream stream, float eps, std::vector<ProjectionDesc> projections)
-      : mx::Primitive(stream), eps_(eps), projections_(std::move(projections)) {}
+  DecoderTail(mx::Stream stream, float eps, std::vector<ProjectionDesc> projections,
+              std::shared_ptr<TensorLink> link)
+      : mx::Primitive(stream), eps_(eps), projections_(std::move(projections)), link_(std::move(link)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override;
   const char* name() const override { return "ShoalDecoderTail"; }
@@ -60,6 +62,7 @@ class DecoderTail : public mx::Primitive {
  private:
   float eps_;
   std::vector<ProjectionDesc> projections_;  // o, gate, up, down
+  std::shared_ptr<TensorLink> link_;         // a tensor-parallel slice's: sums o's and down's outputs
 };
 
 // x [B, L, E] float32; norm_weight [E]; projections q, k, v; heads: each one's head count.
@@ -72,7 +75,8 @@ std::vector<mx::array> decoder_head(const mx::array& x, const mx::array& norm_we
 // none of them with a bias. Returns the layer's output [B, L, E].
 mx::array decoder_tail(const mx::array& attention, const mx::array& x, const Projection& o,
                        const mx::array& norm_weight, float eps, const Projection& gate, const Projection& up,
-                       const Projection& down, mx::StreamOrDevice s = {});
+                       const Projection& down, std::shared_ptr<TensorLink> link = nullptr,
+                       mx::StreamOrDevice s = {});
 
 // silu(x) into y over n values, split over the pool as FusedSiLU splits it (so the same bits).
 void silu_into(const float* x, long n, float* y);
@@ -96,8 +100,10 @@ const float* weight_row(const mx::array& w, std::vector<float>& copy);
 // decoder_head on M rows of x [M, E]: each projection (+ its bias) into ys[i], [M, N_i] row-major.
 void head_rows(const float* x, long M, int E, const float* norm_w, float eps, const std::vector<Bound>& projections,
                const std::vector<float*>& ys);
-// decoder_tail on M rows: att [M, A], x [M, E] into y [M, E].
+// decoder_tail on M rows: att [M, A], x [M, E] into y [M, E]. With a link (a tensor-parallel
+// slice: o's columns and down's are this rank's), o's and down's outputs are summed over the ranks
+// before each residual.
 void tail_rows(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
-               const Bound& gate, const Bound& up, const Bound& down, float* y);
+               const Bound& gate, const Bound& up, const Bound& down, float* y, TensorLink* link = nullptr);
 
 }  // namespace shoal

@@ -25,7 +25,8 @@ mx::array norm_input(const mx::array& w, int n, const char* what) {
 
 }  // namespace
 
-StackPlan::StackPlan(const std::vector<StackLayerArgs>& args, int q_heads, int kv_heads) : Hq(q_heads), Hkv(kv_heads) {
+StackPlan::StackPlan(const std::vector<StackLayerArgs>& args, int q_heads, int kv_heads, std::shared_ptr<TensorLink> link)
+    : Hq(q_heads), Hkv(kv_heads), link(std::move(link)) {
   if (args.empty()) throw bad("the plan needs at least one layer");
   if (Hq <= 0 || Hkv <= 0 || Hq % Hkv) throw bad("head counts: kv heads must divide q heads");
   auto built = std::make_shared<std::vector<Layer>>();
@@ -139,7 +140,7 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
                               xin = mx::array::unsafe_weak_copy(x), off = mx::array::unsafe_weak_copy(inputs[1]),
                               freqs = p_.freqs ? inputs[2].data<float>() : nullptr,
                               freq_stride = p_.freqs ? inputs[2].strides()[0] : 0, y = result.data<float>(),
-                              E = E_]() mutable {
+                              E = E_, link = link_]() mutable {
     thread_local std::vector<float> xcopy;
     thread_local std::vector<float> h[2], q, k, v, att;
     const long M = step.B;
@@ -166,7 +167,8 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
       for (int d = 0; d < 3; d++) step.kst[d] = b.kst[d], step.vst[d] = b.vst[d];
       decode_step(step);
       float* out = l + 1 == bound.size() ? y : h[l % 2].data();
-      tail_rows(att.data(), in, M, E, b.post, layer.post_eps, b.tail[0], b.tail[1], b.tail[2], b.tail[3], out);
+      tail_rows(att.data(), in, M, E, b.post, layer.post_eps, b.tail[0], b.tail[1], b.tail[2], b.tail[3], out,
+                link.get());
       in = out;
     }
   });
@@ -174,7 +176,7 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
 
 bool DecoderStack::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const DecoderStack&>(other);
-  return layers_ == o.layers_ && p_ == o.p_;
+  return layers_ == o.layers_ && p_ == o.p_ && link_ == o.link_;
 }
 
 }  // namespace shoal

@@ -36,8 +36,10 @@ struct StackPlan {
     bool qk_norm;
     std::vector<ProjectionDesc> projections;  // q, k, v, o, gate, up, down
   };
-  StackPlan(const std::vector<StackLayerArgs>& layers, int q_heads, int kv_heads);
+  StackPlan(const std::vector<StackLayerArgs>& layers, int q_heads, int kv_heads,
+            std::shared_ptr<TensorLink> link = nullptr);
   int E, Hq, Hkv, D, Dv;
+  std::shared_ptr<TensorLink> link;  // a tensor-parallel slice's (tail_rows sums over it)
   std::shared_ptr<const std::vector<Layer>> layers;
   std::vector<mx::array> arrays;  // per layer: norm, q, k, v, [q norm, k norm], o, post norm, gate, up, down
   size_t size() const { return layers->size(); }
@@ -47,7 +49,7 @@ class DecoderStack : public mx::Primitive {
  public:
   DecoderStack(mx::Stream stream, const StackPlan& plan, DecodeAttention::Params p)
       : mx::Primitive(stream), layers_(plan.layers), E_(plan.E), Hq_(plan.Hq), Hkv_(plan.Hkv), D_(plan.D),
-        Dv_(plan.Dv), p_(p) {}
+        Dv_(plan.Dv), link_(plan.link), p_(p) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override { no_gpu(name()); }
   const char* name() const override { return "ShoalDecoderStack"; }
@@ -57,6 +59,7 @@ class DecoderStack : public mx::Primitive {
  private:
   std::shared_ptr<const std::vector<StackPlan::Layer>> layers_;
   int E_, Hq_, Hkv_, D_, Dv_;
+  std::shared_ptr<TensorLink> link_;
   DecodeAttention::Params p_;
 };
 

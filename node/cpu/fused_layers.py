@@ -70,6 +70,11 @@ def tail_args(block: Any) -> tuple[Any, ...]:
     )
 
 
+def tensor_link(block: Any) -> Any:
+    """The tensor-parallel link o's and down's outputs are summed over (`node.tensor`), or None."""
+    return getattr(block["self_attn"]["o_proj"], "_shoal_link", None)
+
+
 def _is_norm(module: Any) -> bool:
     return isinstance(module, nn.RMSNorm) and "weight" in module
 
@@ -131,7 +136,7 @@ class _FusedBlock:
             h = x + attn["o_proj"](out)
             y = h + block["mlp"](block["post_attention_layernorm"](h))
         else:
-            y = self._kernels.decoder_tail(out, x, *tail_args(block))
+            y = self._kernels.decoder_tail(out, x, *tail_args(block), link=tensor_link(block))
         if length > 1 and isinstance(self, _EvaluatedInPrefill):
             mx.eval(y)  # what layer_eval's mixin (now behind this one) would do
         return y

@@ -30,7 +30,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from node.cpu.decode_attention import RopeSpec, rope_spec
-from node.cpu.fused_layers import _FusedBlock, projection, tail_args
+from node.cpu.fused_layers import _FusedBlock, projection, tail_args, tensor_link
 from node.cpu.kv_cache import readable_caches
 from node.cpu.mlx_lm_quirks import advance_batch, put_mixin, write_index
 
@@ -107,8 +107,12 @@ def _plan(kernels: ModuleType, layers: list[Any]) -> _Stack | None:
     norms = [(a.get("q_norm"), a.get("k_norm")) for a in attns]
     if any(q is not None and k is not None and q.eps != k.eps for q, k in norms):
         return None
+    links = {id(tensor_link(layer)) for layer in layers}
+    if len(links) != 1:
+        return None
     try:
-        plan = kernels.StackPlan([_layer_args(layer) for layer in layers], first.n_heads, first.n_kv_heads)
+        args = [_layer_args(layer) for layer in layers]
+        plan = kernels.StackPlan(args, first.n_heads, first.n_kv_heads, link=tensor_link(layers[0]))
     except ValueError:  # shapes the operation does not take (it says which): the per-layer way
         return None
     return _Stack(plan, rope, float(first.scale))
@@ -191,6 +195,16 @@ class _StackedModel:
         if not checked:
             stack.written = tuple(weakref.ref(a) for a in arrays)
         return module.norm(h)
+
+
+def restack(model: Any) -> bool:
+    """Build the stacked step's plan again (its layers changed in place, e.g. got a tensor link);
+    whether the model has one."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, _StackedModel):
+        return False
+    inner.__dict__.pop("_shoal_stack", None)
+    return inner.stack() is not None
 
 
 def stack_decoder(model: Any, kernels: ModuleType) -> bool:

@@ -212,8 +212,7 @@ class PipelineGenerator:
             if cancelled():
                 return
             n = min(step, total - done - 1)
-            self.shard.forward(prompt[done : done + n][None], cache)
-            mx.eval([c.state for c in cache])
+            self.shard.prefill(prompt[done : done + n][None], cache)
             done += n
             progress(done, total)
             mx.clear_cache()

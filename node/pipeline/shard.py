@@ -226,6 +226,11 @@ class Shard(nn.Module):
                 h = layer(h, full_mask, cache=c)
         return h
 
+    def prefill(self, x: mx.array, cache: list[Any]) -> None:
+        """A prompt chunk into `cache` (evaluated), when no token is sampled after it."""
+        self.forward(x, cache)
+        mx.eval([c.state for c in cache])
+
     def logits(self, h: mx.array) -> mx.array:
         """Last stage: final norm and head over the last position, shape [1, vocab]."""
         if not self.spec.is_last:

@@ -1,0 +1,80 @@
+// The links of a tensor-parallel group (node/tensor): every rank holds a slice of each layer, and
+// the ranks sum their partial outputs twice a layer and gather the head's vocabulary slices.
+//
+// Why our own sockets and not mx.distributed (MLX's "ring" backend, which works on these CPUs:
+// ~65 us an all_sum of 2,048 floats between two local processes): the decode step of a whole layer
+// stack is one native operation (stack.h), and a sum in the middle of it cannot be an MLX operation;
+// the ring neither proves who connects (node/pipeline/link_auth does, on these same sockets, before
+// they get here) nor bounds a wait on a peer that froze.
+//
+// A link owns one connected TCP socket per other rank. Every exchange is framed (kind, byte count)
+// and checked, so ranks that ran different graphs fail instead of summing garbage. A failure
+// (peer closed, timeout, a frame that does not match) breaks the link for good: later calls do
+// nothing, `error()` says what happened, and the Python side checks it after each step (an
+// exception cannot leave MLX's stream thread). Calls come from one thread at a time: MLX's stream
+// thread inside a step, the Python thread between steps.
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace shoal {
+
+namespace mx = mlx::core;
+
+class TensorLink {
+ public:
+  // fds[r]: a connected socket to rank r (-1 at `rank`); the link owns and closes them.
+  TensorLink(std::vector<int> fds, int rank, double timeout_s);
+  ~TensorLink();
+  TensorLink(const TensorLink&) = delete;
+  TensorLink& operator=(const TensorLink&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(fds_.size()); }
+  bool ok() const;
+  std::string error() const;
+  void close();  // breaks the link (peers see it closed); idempotent
+
+  // data[0, n) becomes the sum over ranks, added in rank order: the same bits on every rank.
+  void sum(float* data, long n);
+  // Rank 0: out[m, :] = the ranks' parts [m, widths[r]] side by side, in rank order. Others send
+  // their part [rows, widths[rank]] to rank 0 and leave out alone.
+  void gather(const float* part, long rows, const std::vector<long>& widths, float* out);
+  // Rank 0 sends `payload` to every other rank; the others return what rank 0 sent. A negative
+  // timeout waits for as long as it takes (an idle follower), still ending at a closed link.
+  void broadcast(const std::string& payload);
+  std::string receive(double timeout_s);
+
+ private:
+  struct Transfer {
+    int peer;
+    const char* send = nullptr;
+    size_t send_bytes = 0;
+    char* recv = nullptr;
+    size_t recv_bytes = 0;
+  };
+  bool run(std::vector<Transfer>& transfers, double timeout_s, const char* what);
+  bool framed(uint32_t kind, const void* data, size_t bytes, const std::vector<int>& to,
+              const std::vector<int>& from, std::vector<std::vector<char>>& received, double timeout_s);
+  void fail(const std::string& why);
+
+  std::vector<int> fds_;
+  int rank_;
+  double timeout_s_;
+  mutable std::mutex error_mutex_;
+  std::string error_;
+  std::vector<std::vector<char>> scratch_;
+};
+
+// x summed over the link's ranks (float32, x's shape), as one MLX operation.
+mx::array link_sum(const mx::array& x, std::shared_ptr<TensorLink> link, mx::StreamOrDevice s = {});
+// x [..., widths[rank]] gathered along its last axis on rank 0: [..., sum(widths)] (zeros elsewhere).
+mx::array link_gather(const mx::array& x, std::shared_ptr<TensorLink> link, std::vector<long> widths,
+                      mx::StreamOrDevice s = {});
+
+}  // namespace shoal

@@ -1,0 +1,92 @@
+"""Which slice of every layer each rank of a tensor-parallel group holds; pure arithmetic.
+
+A rank holds whole KV heads with their query heads (attention needs nothing from the others), a
+contiguous range of the MLP's intermediate rows, and a contiguous range of the vocabulary (its rows
+of the embedding and of the head). Ranges are as even as the quantization groups allow: a cut
+inside a group would split the group's scale, so cuts fall on multiples of the group size (and of
+32, a packed word of any bit width). Uneven head counts are fine (SmolLM2's 3 KV heads on 2
+ranks: 2 + 1), which `shard()` in mlx-lm does not allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SplitError(ValueError):
+    """The model's shape cannot be cut into this many slices (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the split needs of a llama-family model (config.json's names in the comments)."""
+
+    q_heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads
+    head_dim: int
+    ffn: int  # intermediate_size
+    vocab: int  # vocab_size
+    group: int = 32
+    """The quantization group along a projection's inputs (32 for float weights: a packed word)."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rank `rank`'s ranges, each [start, end)."""
+
+    rank: int
+    size: int
+    kv_heads: tuple[int, int]
+    q_heads: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int]
+
+    @property
+    def q_count(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def kv_count(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def even_cuts(total: int, parts: int, unit: int = 1) -> list[int]:
+    """parts + 1 cut points of [0, total] (a multiple of `unit`), each a multiple of `unit`, as even
+    as that allows; earlier parts get the smaller shares (rank 0 also samples)."""
+    units = total // unit
+    return [unit * (units * i // parts) for i in range(parts + 1)]
+
+
+def split(shape: Shape, size: int) -> list[Slice]:
+    """Every rank's slice; `SplitError` when some rank would get nothing or a cut splits a group."""
+    if size < 2:
+        raise SplitError("a tensor-parallel group needs at least 2 ranks")
+    if shape.kv_heads <= 0 or shape.q_heads % shape.kv_heads:
+        raise SplitError(f"{shape.q_heads} query heads do not share {shape.kv_heads} KV heads evenly")
+    if shape.kv_heads < size:
+        raise SplitError(f"{shape.kv_heads} KV heads cannot be spread over {size} ranks (each needs one)")
+    unit = max(32, shape.group)
+    if (shape.head_dim * shape.q_heads // shape.kv_heads) % unit:
+        raise SplitError(
+            f"a KV head's query heads ({shape.q_heads // shape.kv_heads} x {shape.head_dim} values) do not "
+            f"fill whole quantization groups of {unit}: the o projection cannot be cut between them"
+        )
+    if shape.ffn % unit:
+        raise SplitError(f"the MLP's {shape.ffn} rows are not whole groups of {unit}")
+    if shape.ffn < size * unit:
+        raise SplitError(f"the MLP's {shape.ffn} rows are too few for {size} ranks")
+    group = shape.q_heads // shape.kv_heads
+    kv = even_cuts(shape.kv_heads, size)
+    ffn = even_cuts(shape.ffn, size, unit)
+    vocab = even_cuts(shape.vocab, size)
+    return [
+        Slice(
+            rank=r,
+            size=size,
+            kv_heads=(kv[r], kv[r + 1]),
+            q_heads=(kv[r] * group, kv[r + 1] * group),
+            ffn=(ffn[r], ffn[r + 1]),
+            vocab=(vocab[r], vocab[r + 1]),
+        )
+        for r in range(size)
+    ]
