@@ -63,6 +63,9 @@ class RunnerSpec(RunnerSettings):
     """The harmony vocab's folder (GPT-OSS models); None when the node has none."""
     pipeline: PipelineRoute | None = None
     """Pipeline mode: the runner holds layers [0, k) and drives the others (`node.runner.pipeline_mode`)."""
+    tensor: tuple[str, ...] | None = None
+    """Tensor mode: the runner is rank 0 of a tensor-parallel group and drives the other ranks, which
+    listen at these HOST:PORTs in rank order (`node.runner.pipeline_mode.load_tensor`)."""
     stage_link: str = field(default="", repr=False)
     """The instance's stage link key (`node.pipeline.link_auth.LinkSecurity.encode`), which the node
     puts in the environment of this runner and of its stage processes; "": stages started by hand."""

@@ -16,16 +16,19 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+import trio
 
+from node.children.process import spawn, terminate
 from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.driver import PipelineGenerator
+from node.pipeline.hop import HopError
 from node.pipeline.shard import ShardError, load_shard
 from node.tensor.mesh import native
 from node.tensor.shard import TensorLinkError, load_tensor_shard
 from node.tensor.split import Shape, SplitError, split
 from protocol.sampling import Sampling
 from tests.model_factory import make_random_model, quantized_copy
-from tests.tensor_group import tensor_group
+from tests.tensor_group import follower_command, ready_address, tensor_group
 
 # --- the split (pure) -------------------------------------------------------------------------
 
@@ -186,10 +189,10 @@ def test_seeded_sampling_repeats_itself(llama_q4: Path) -> None:
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_a_rank_that_dies_or_freezes_fails_the_request_within_the_timeout(llama_q4: Path, how: str) -> None:
-    with tensor_group(llama_q4, 2, link_timeout=2.0) as (generator, followers):
+    with tensor_group(llama_q4, 3, link_timeout=2.0, connect_timeout=3.0) as (generator, followers):
         tokens = generator.generate(PROMPT, max_tokens=500)
         assert len([next(tokens) for _ in range(3)]) == 3
-        os.kill(followers[0].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        os.kill(followers[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         started = time.monotonic()
         try:
             with pytest.raises(
@@ -198,10 +201,22 @@ def test_a_rank_that_dies_or_freezes_fails_the_request_within_the_timeout(llama_
                 for _ in tokens:
                     pass
             assert time.monotonic() - started < 10
-            with pytest.raises(TensorLinkError):  # the group is broken for good: the next request too
+            with pytest.raises(HopError):  # the next request cannot form the group: it fails at once
                 next(generator.generate(PROMPT, max_tokens=3))
         finally:
-            os.kill(followers[0].pid, signal.SIGKILL)
+            os.kill(followers[1].pid, signal.SIGKILL)
+
+
+def test_the_next_request_forms_the_group_again_after_a_failure(llama_q4: Path) -> None:
+    """A link that broke (here: rank 0 closed it) is formed again by the next request; the other
+    ranks kept their slices loaded and waited."""
+    one = _one_process(llama_q4)
+    expected = list(one.generate(PROMPT, max_tokens=8))
+    with tensor_group(llama_q4, 3, link_timeout=2.0) as (generator, followers):
+        assert list(generator.generate(PROMPT, max_tokens=8)) == expected
+        generator.disconnect()
+        assert list(generator.generate(PROMPT, max_tokens=8)) == expected
+        assert all(process.poll() is None for process in followers)
 
 
 def test_families_without_a_tensor_split_are_refused_before_loading(
@@ -224,3 +239,38 @@ def test_a_link_of_another_rank_is_refused(llama_q4: Path) -> None:
         link.close()
         process.kill()
         process.wait()
+
+
+def test_a_runner_in_tensor_mode_answers_as_a_whole_model_runner(llama_q4: Path) -> None:
+    """Real runner processes as a node starts them: one holds the whole model (and batches), the
+    other is rank 0 of a 2-rank group whose rank 1 is a follower process; greedy answers agree."""
+    from node.runner.supervisor import RunnerSpec, RunnerSupervisor
+    from protocol.chat import SamplingParams
+    from tests.test_seeded_sampling import MODEL, answer, request
+
+    follower = spawn(follower_command(llama_q4, 1, 2, link_timeout=10.0), env=None, stdin=False)
+    try:
+        address = ready_address(follower)
+        whole = RunnerSupervisor(
+            RunnerSpec(MODEL, model_path=llama_q4, prefill_step_size=16, prefix_cache_tokens=0)
+        )
+        split = RunnerSupervisor(
+            RunnerSpec(
+                MODEL, model_path=llama_q4, prefill_step_size=16, prefix_cache_tokens=0, tensor=(address,)
+            )
+        )
+        greedy = SamplingParams(temperature=0.0, max_tokens=16)
+
+        async def scenario() -> None:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(whole.run)
+                await nursery.start(split.run)
+                with trio.fail_after(120):
+                    alone = await answer(whole.open_stream(request("whole", greedy)))
+                    assert await answer(split.open_stream(request("split", greedy))) == alone
+                    assert alone[1].usage.completion_tokens == 16
+                nursery.cancel_scope.cancel()
+
+        trio.run(scenario)
+    finally:
+        terminate(follower, 5.0)

@@ -35,7 +35,6 @@ from protocol.runner_wire import (
     Generate,
     LoadFailed,
     MessageDecoder,
-    PipelineRoute,
     Ready,
     RequestEvent,
     RunnerMessage,
@@ -192,8 +191,8 @@ def main() -> int:
     commands = _messages(sys.stdin.buffer)
     if (spec := _read_spec(commands)) is None:
         return 2
-    if spec.pipeline is not None:
-        return _pipeline_main(spec, spec.pipeline, wire, commands)
+    if spec.pipeline is not None or spec.tensor is not None:
+        return _pipeline_main(spec, wire, commands)
     try:
         loaded = load_model(spec.model_path, vocab_dir=spec.vocab_dir)
     except Exception as exc:  # any load failure is reported to the node, which shows it to users
@@ -216,17 +215,22 @@ def main() -> int:
     return 0
 
 
-def _pipeline_main(
-    spec: RunnerSpec, route: PipelineRoute, wire: _Wire, commands: Iterator[RunnerMessage]
-) -> int:
-    """Pipeline mode (`node.runner.pipeline_mode`): this process drives the stages, one request at a time."""
-    from node.runner.pipeline_mode import load_pipeline, run_one
+def _pipeline_main(spec: RunnerSpec, wire: _Wire, commands: Iterator[RunnerMessage]) -> int:
+    """Pipeline or tensor mode (`node.runner.pipeline_mode`): this process drives the instance's
+    other processes, one request at a time."""
+    from node.runner.pipeline_mode import load_pipeline, load_tensor, run_one
 
-    end, host, stages = route
     try:
-        loaded, driver = load_pipeline(
-            spec.model_path, end=end, stages=list(stages), host=host, vocab_dir=spec.vocab_dir
-        )
+        if spec.tensor is not None:
+            loaded, driver = load_tensor(
+                spec.model_path, followers=list(spec.tensor), vocab_dir=spec.vocab_dir
+            )
+        else:
+            assert spec.pipeline is not None
+            end, host, stages = spec.pipeline
+            loaded, driver = load_pipeline(
+                spec.model_path, end=end, stages=list(stages), host=host, vocab_dir=spec.vocab_dir
+            )
     except Exception as exc:  # reported to the node like any load failure
         log.exception("could not load the first stage of %s", spec.model_path)
         wire.send(LoadFailed(message=f"{type(exc).__name__}: {exc}"))

@@ -1,10 +1,12 @@
-"""The runner's pipeline mode: this process holds layers [0, k) and drives the later stages.
+"""The runner's pipeline and tensor modes: this process drives the other processes of its instance.
 
 A runner whose spec has a `pipeline` route (k, host, HOST:PORT of each later stage) loads only
 its shard and generates with `node.pipeline.driver.PipelineGenerator`, one request at a time (no
-batching, no prefix cache). The per-request logic is the engine's: `admit` checks the prompt,
-`RequestOutput` turns tokens into events and ends each request with exactly one terminal event. A
-link or stage failure mid-request ends that request with a `server_error`; the next one reconnects.
+batching, no prefix cache). One with a `tensor` group (HOST:PORT of ranks 1..) loads rank 0's
+slice of every layer and generates with `node.tensor.shard.TensorGenerator`, the same way. The
+per-request logic is the engine's: `admit` checks the prompt, `RequestOutput` turns tokens into
+events and ends each request with exactly one terminal event. A link or stage failure mid-request
+ends that request with a `server_error`; the next one reconnects.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ def load_pipeline(
     stage_addresses = [parse_address(s) for s in stages]
     driver = PipelineGenerator(shard, stages=stage_addresses, host=host, security=LinkSecurity.from_env())
     return loaded, driver
+
+
+def load_tensor(
+    path: Path, *, followers: list[str], vocab_dir: Path | None
+) -> tuple[LoadedModel, PipelineGenerator]:
+    """Rank 0 of a tensor-parallel group (`node.tensor`); the group forms at the first request."""
+    from node.tensor.shard import TensorGenerator, load_tensor_shard
+
+    shard = load_tensor_shard(path, rank=0, size=len(followers) + 1, prepare=apply_dtype_policy)
+    tokenizer = load_tokenizer(path, eos_token_ids=shard.config.get("eos_token_id"))
+    loaded = loaded_model(shard, tokenizer, shard.config, vocab_dir=vocab_dir, folder=path)
+    return loaded, TensorGenerator(shard, followers, security=LinkSecurity.from_env())
 
 
 def run_one(

@@ -238,7 +238,9 @@ class RunnerSupervisor:
     def _batch_capacity(self) -> int:
         """Requests the runner decodes at once; the rest of those in flight wait in its queue (it
         admits whenever a place frees). A pipeline runs one request at a time."""
-        return 1 if self.spec.pipeline is not None else self.spec.max_concurrent
+        return (
+            1 if self.spec.pipeline is not None or self.spec.tensor is not None else self.spec.max_concurrent
+        )
 
     @property
     def ring_port(self) -> int | None:

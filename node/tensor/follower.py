@@ -1,24 +1,27 @@
-"""A tensor-parallel rank other than 0: load its slice, join the group, run the steps rank 0 sends.
+"""A tensor-parallel rank other than 0: load its slice, then run the steps rank 0 sends it.
 
-    python -m node.tensor.follower --model-path P --rank R --group A0,A1,... [--listen HOST:PORT]
+    python -m node.tensor.follower --model-path P --rank R --size N [--listen HOST:PORT]
 
-`--group` lists every rank's HOST:PORT in rank order; this rank listens at its own entry (or at
-`--listen`, where the group reaches it through another address). The instance's link key comes
-from the environment (`link_auth.LINK_ENV`; without it `OPEN`). Once the group is connected it
-prints one line, `ready rank R`, on stdout. It exits when rank 0 closes the link (0) or the link
-fails (1): the group is broken then, and whoever placed it starts a new one.
+It loads its slice, listens (port 0: any free one) and writes one `StageReady` frame on stdout
+(`node.pipeline.stage_wire`, as a pipeline stage does: start 0, end the layer count). Rank 0 then
+connects and says who else is in the group (`mesh.join_group`); the instance's link key comes from
+the environment (`link_auth.LINK_ENV`; without it `OPEN`). When the link ends (rank 0 closed it,
+another rank failed) it waits for rank 0 again with the slice still loaded: the next request forms
+the group anew at the cost of a few connections, not a reload.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from node.children.process import exit_when_orphaned
 from node.pipeline.hop import CONNECT_TIMEOUT, listen, parse_address
 from node.pipeline.link_auth import LinkSecurity
-from node.tensor.mesh import LINK_TIMEOUT, connect_group
+from node.pipeline.stage_wire import StageReady, encode_ready
+from node.tensor.mesh import LINK_TIMEOUT, MAX_GROUP, join_group
 
 log = logging.getLogger("shoal.tensor")
 
@@ -27,42 +30,48 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m node.tensor.follower", description=__doc__)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--group", required=True, help="every rank's HOST:PORT, in rank order")
-    parser.add_argument("--listen", help="HOST:PORT to listen at (default: this rank's --group entry)")
+    parser.add_argument("--size", type=int, required=True, help="ranks in the group, rank 0 included")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free one)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT)
     parser.add_argument("--link-timeout", type=float, default=LINK_TIMEOUT)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if not 0 < args.rank < args.size <= MAX_GROUP:
+        parser.error(f"--rank must be 1 .. --size - 1, and --size at most {MAX_GROUP}")
+    logging.basicConfig(level=logging.INFO, format="tensor: %(message)s", stream=sys.stderr)
     if args.parent_pid is not None:
         exit_when_orphaned(args.parent_pid)
-    group = [parse_address(a) for a in args.group.split(",")]
-    if not 0 < args.rank < len(group):
-        parser.error(f"--rank must name a rank other than 0 of the {len(group)} in --group")
-    listener = listen(*parse_address(args.listen) if args.listen else group[args.rank])
+    security = LinkSecurity.from_env()
 
     from node.cpu.dtype import apply_dtype_policy
-    from node.tensor.shard import load_tensor_shard
+    from node.tensor.shard import TensorLinkError, load_tensor_shard
 
-    shard = load_tensor_shard(args.model_path, rank=args.rank, size=len(group), prepare=apply_dtype_policy)
-    link = connect_group(
-        args.rank,
-        group,
-        listener,
-        security=LinkSecurity.from_env(),
-        timeout=args.connect_timeout,
-        link_timeout=args.link_timeout,
-    )
-    listener.close()
-    shard.attach(link)
-    print(f"ready rank {args.rank}", flush=True)
+    shard = load_tensor_shard(args.model_path, rank=args.rank, size=args.size, prepare=apply_dtype_policy)
+    listener = listen(*parse_address(args.listen))
+    ready = StageReady(port=listener.getsockname()[1], start=0, end=shard.spec.num_layers, pid=os.getpid())
+    frames = os.fdopen(os.dup(1), "wb")
+    frames.write(encode_ready(ready))
+    frames.flush()
     while True:
-        payload = link.receive(-1.0)
-        if not payload:
-            closed = "closed" in link.error
-            (log.info if closed else log.warning)("the group's link ended: %s", link.error)
-            return 0 if closed else 1
-        shard.run_command(payload)
+        link = join_group(
+            args.rank,
+            args.size,
+            listener,
+            security=security,
+            timeout=args.connect_timeout,
+            link_timeout=args.link_timeout,
+        )
+        shard.attach(link)
+        log.info("rank %d of %d joined its group", args.rank, args.size)
+        while payload := link.receive(-1.0):
+            try:
+                shard.run_command(payload)
+            except TensorLinkError:
+                break  # said below
+            except Exception:  # a step that failed here fails rank 0's too; wait for a new group
+                log.exception("a step failed")
+                link.close()
+        log.info("the group's link ended (%s); waiting for rank 0", link.error)
 
 
 if __name__ == "__main__":

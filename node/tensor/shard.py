@@ -1,7 +1,7 @@
 """One rank's slice of a model, run as a member of a tensor-parallel group.
 
-    shard = load_tensor_shard(path, rank=r, size=n, prepare=apply_dtype_policy)
-    shard.attach(connect_group(r, addresses, listener, security=...))   # node.tensor.mesh
+    shard = load_tensor_shard(path, rank=0, size=n, prepare=apply_dtype_policy)
+    generator = TensorGenerator(shard, followers=["10.0.0.7:47200"])  # forms the group (mesh)
     h = shard.forward(mx.array([tokens]), cache)         # rank 0 also tells the others to run it
     token = shard.next_token(h, sampler)                 # the head's slices gathered on rank 0
 
@@ -26,9 +26,10 @@ ranks (`TensorShard.run_command` runs it there).
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,8 +41,10 @@ from mlx.utils import tree_flatten
 from node.cpu.fused_stack import restack
 from node.cpu.mlx_lm_quirks import put_mixin
 from node.pipeline.driver import PipelineError, PipelineGenerator
+from node.pipeline.hop import CONNECT_TIMEOUT
+from node.pipeline.link_auth import OPEN, LinkSecurity
 from node.pipeline.shard import SUPPORTED_MODULES, Prepare, Sampler, ShardError, ShardSpec
-from node.tensor.mesh import native
+from node.tensor.mesh import LINK_TIMEOUT, dial_group, native
 from node.tensor.split import Shape, Slice, split
 
 log = logging.getLogger("shoal.tensor")
@@ -167,6 +170,7 @@ class TensorShard(nn.Module):
             raise ValueError(f"this shard is rank {self.piece.rank} of {self.piece.size}, the link's is not")
         object.__setattr__(self, "link", link)
         install_sums(self.model, link)
+        self._cache, self._runs = None, None  # the other ranks start from nothing too
 
     def check(self) -> None:
         """Raise `TensorLinkError` if the link broke (after evaluating what used it)."""
@@ -264,15 +268,45 @@ def load_tensor_shard(
 
 
 class TensorGenerator(PipelineGenerator):
-    """`PipelineGenerator` over rank 0's `TensorShard`: every token it yields was computed over a
-    whole link (a token computed while the link broke ends the request with `TensorLinkError`)."""
+    """`PipelineGenerator` over rank 0's `TensorShard`, which (re)forms the group before a request
+    whenever its link is down: a rank that failed and came back (its node restarts it) serves again
+    with no restart here. Every token it yields was computed over a whole link; a link that breaks
+    ends the request with `TensorLinkError`, one that cannot form with `HopError`."""
 
-    def __init__(self, shard: TensorShard) -> None:
+    def __init__(
+        self,
+        shard: TensorShard,
+        followers: Sequence[str],
+        *,
+        security: LinkSecurity = OPEN,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        link_timeout: float = LINK_TIMEOUT,
+    ) -> None:
+        if shard.piece.rank != 0 or len(followers) != shard.piece.size - 1:
+            raise ValueError("the generator runs on rank 0, with the address of every other rank")
         super().__init__(cast(Any, shard))
         self.tensor = shard
+        self.followers = tuple(followers)
+        self._dial = functools.partial(
+            dial_group, followers, security=security, timeout=connect_timeout, link_timeout=link_timeout
+        )
+
+    def connect(self) -> None:
+        link = self.tensor.link
+        if link is None or not link.ok:
+            if link is not None:
+                link.close()
+            self.tensor.attach(self._dial())
+
+    def disconnect(self) -> None:
+        if self.tensor.link is not None:
+            self.tensor.link.close()
+
+    def close(self) -> None:
+        self.disconnect()
 
     def generate(self, *args: Any, **kwargs: Any) -> Iterator[int]:
-        self.tensor.check()
+        self.connect()
         for token in super().generate(*args, **kwargs):
             self.tensor.check()
             yield token
