@@ -9,6 +9,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict
 
 from protocol.chat import GenerateRequest
+from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
@@ -75,10 +76,17 @@ class Backend(Protocol):
         ...
 
     async def place_instance(
-        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+        self,
+        model: str,
+        nodes: int | None,
+        *,
+        preview: bool,
+        replicas: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
         """Ask the leader to place `model` (on `nodes` nodes if given; with `replicas`, that many
-        instances on disjoint nodes, as many as fit); `preview` only plans."""
+        instances on disjoint nodes, as many as fit; `sharding` as `InstanceRecord.sharding`);
+        `preview` only plans."""
         ...
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome: ...

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from api.backend import Backend
 from api.errors import ApiError, from_validation, parse_body
 from api.surface import read_body
+from protocol.cluster_records import Sharding
 from protocol.cluster_view import InstanceView
 from protocol.control_wire import (
     Deleted,
@@ -40,6 +41,8 @@ class PlaceBody(BaseModel):
     nodes: int | None = Field(default=None, ge=1, le=256)
     replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
     """Instances of the model to keep, on disjoint nodes (an integer: "2", 2.0 or true are refused)."""
+    sharding: Sharding = "pipeline"
+    """"pipeline" (layers over the nodes) or "tensor" (a slice of every layer on each node)."""
 
 
 def _object(view: InstanceView) -> dict[str, Any]:
@@ -111,7 +114,7 @@ class InstanceRoutes:
 
     async def _place(self, body: PlaceBody, *, preview: bool) -> Response:
         outcome = await self._backend.place_instance(
-            body.model, body.nodes, preview=preview, replicas=body.replicas
+            body.model, body.nodes, preview=preview, replicas=body.replicas, sharding=body.sharding
         )
         return outcome_response(outcome)
 

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from api.backend import Backend, ModelCard
 from protocol.chat import GenerateRequest
+from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
@@ -143,9 +144,17 @@ class MeteredBackend:
         return self._backend.instances()
 
     async def place_instance(
-        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+        self,
+        model: str,
+        nodes: int | None,
+        *,
+        preview: bool,
+        replicas: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
-        return await self._backend.place_instance(model, nodes, preview=preview, replicas=replicas)
+        return await self._backend.place_instance(
+            model, nodes, preview=preview, replicas=replicas, sharding=sharding
+        )
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self._backend.delete_instance(instance_id)

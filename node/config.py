@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from node.net.config import MeshConfig, derive_secret
+from protocol.cluster_records import SHARDINGS
 from protocol.placement import MAX_REPLICAS
 from protocol.runner_wire import RunnerSettings
 
@@ -34,6 +35,9 @@ class NodeConfig:
     replicas: int = 1
     """Instances of `model` the cluster should run, each on nodes of its own (requests go to the least
     loaded): 1, since a small cluster usually has room for one; more once nodes sit idle."""
+    sharding: str = "pipeline"
+    """How an instance of `model` spreads over nodes: "pipeline" (by layers: room for a larger
+    model) or "tensor" (a slice of every layer on each node: faster decode, `node.tensor`)."""
     api_host: str = "0.0.0.0"
     """All interfaces: any machine of the cluster's network may send requests to any node."""
     api_port: int = 52415
@@ -111,6 +115,12 @@ RUN_FLAGS = (
         "replicas",
         "instances of --model to run, each on nodes of its own, as many as fit (default %(default)s)",
         check=(lambda n: 1 <= n <= MAX_REPLICAS, f"must be between 1 and {MAX_REPLICAS}"),
+    ),
+    Flag(
+        "--sharding",
+        "sharding",
+        "pipeline (layers over nodes) or tensor (every layer over nodes) for --model (default %(default)s)",
+        check=(lambda s: s in SHARDINGS, f"must be one of {', '.join(SHARDINGS)}"),
     ),
     Flag("--api-host", "api_host", "address the HTTP API binds (default %(default)s)"),
     Flag("--api-port", "api_port", "HTTP API port, 0 = any free port (default %(default)s)", check=_PORT),

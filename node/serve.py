@@ -148,7 +148,7 @@ async def run_node(config: NodeConfig) -> None:
         await nursery.start(instances.run)
         nursery.start_soon(backend.keep_cards)
         if config.model is not None:
-            nursery.start_soon(instances.ensure_instance, config.model, config.replicas)
+            nursery.start_soon(instances.ensure_instance, config.model, config.replicas, config.sharding)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s; shutting down", signal.Signals(signum).name)

@@ -27,6 +27,7 @@ import cbor2
 
 from protocol.cluster import ClusterState, Digest
 from protocol.cluster_records import (
+    SHARDINGS,
     Entry,
     EntryLoad,
     InstanceRecord,
@@ -131,7 +132,8 @@ def _value_to_wire(value: RecordValue | None) -> Any:
         case InstanceRecord():
             stages = [[s.node, s.start_layer, s.end_layer] for s in value.stages]
             manifest, shape = manifest_to_wire(value.manifest), shape_to_wire(value.shape)
-            return [value.instance_id, value.model, stages, value.source, manifest, shape, value.hub_repo]
+            fields = [value.instance_id, value.model, stages, value.source, manifest, shape, value.hub_repo]
+            return fields + ([value.sharding] if value.sharding != "pipeline" else [])  # 7 for older nodes
         case NodeHoldings():
             return holdings_to_wire(value.models)
         case NodeTransfers():
@@ -299,7 +301,12 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
         return NodeTransfers(transfers_from_wire(obj))
     if kind is RecordKind.LOAD:
         return NodeLoad(tuple(_entry_load(item) for item in wire_list(obj, "loads")))
-    f = wire_list(obj, "instance", 7)
+    f = wire_list(obj, "instance")
+    if len(f) not in (7, 8):
+        raise WireDecodeError(f"instance: wrong length {len(f)}")
+    sharding = wire_str(f[7], "sharding") if len(f) == 8 else "pipeline"
+    if sharding not in SHARDINGS:
+        raise WireDecodeError(f"instance.sharding: {sharding!r} is not one of {SHARDINGS}")
     stages = []
     for item in wire_list(f[2], "stages"):
         s = wire_list(item, "stage", 3)
@@ -313,6 +320,7 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
         manifest_from_wire(f[4]),
         shape_from_wire(f[5]),
         wire_str(f[6], "hub_repo"),
+        sharding,
     )
 
 

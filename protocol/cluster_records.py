@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Literal
 
 from protocol.health import RUNNER_STATES, RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
@@ -209,6 +209,11 @@ class StageAssignment:
             raise RecordError(f"empty stage [{self.start_layer}, {self.end_layer})")
 
 
+Sharding = Literal["pipeline", "tensor"]
+SHARDINGS: tuple[Sharding, ...] = ("pipeline", "tensor")
+"""How an instance splits a model over its nodes: by layers (stages), or every layer (ranks)."""
+
+
 @dataclass(frozen=True, slots=True)
 class InstanceRecord:
     """One placement of a model: its pipeline stages, in order and contiguous. Written by the leader."""
@@ -227,6 +232,9 @@ class InstanceRecord:
     without resolving the model itself."""
     hub_repo: str = ""
     """The Hugging Face repo the files also come from, when no peer has them; empty: peers only."""
+    sharding: Sharding = "pipeline"
+    """"pipeline": `stages` split the layers. "tensor": `stages` are the ranks of one tensor-parallel
+    group, in rank order, each on its own node holding a slice of every layer ([0, layers) each)."""
 
     def __post_init__(self) -> None:
         check_node_id("instance_id", self.instance_id)
@@ -235,8 +243,15 @@ class InstanceRecord:
         _check_text("hub_repo", self.hub_repo, MAX_TEXT_CHARS)
         if not isinstance(self.stages, tuple) or not 1 <= len(self.stages) <= MAX_STAGES:
             raise RecordError(f"an instance has 1 to {MAX_STAGES} stages")
+        if self.sharding not in SHARDINGS:
+            raise RecordError(f"sharding must be one of {SHARDINGS}")
+        if self.sharding == "tensor":
+            if len(self.stages) < 2 or len({s.node for s in self.stages}) != len(self.stages):
+                raise RecordError("a tensor-parallel instance has 2 or more ranks, each on its own node")
+            if any((s.start_layer, s.end_layer) != (0, self.stages[0].end_layer) for s in self.stages):
+                raise RecordError("every rank of a tensor-parallel instance holds every layer")
         for before, after in zip(self.stages, self.stages[1:], strict=False):
-            if after.start_layer != before.end_layer:
+            if after.start_layer != before.end_layer and self.sharding == "pipeline":
                 raise RecordError("stages must be contiguous and in layer order")
         if self.manifest is not None and not isinstance(self.manifest, Manifest):
             raise RecordError("manifest must be a Manifest")

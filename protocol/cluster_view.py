@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from protocol.cluster_records import Sharding
 from protocol.health import RunnerState
 from protocol.manifest import TransferProgress
 
@@ -79,6 +80,8 @@ class InstanceView(_View):
     id: str
     model: str
     stages: tuple[StageView, ...]
+    """Pipeline stages in layer order; for "tensor" sharding the ranks in rank order (every layer each)."""
+    sharding: Sharding = "pipeline"
     manifest_id: str | None = None
     """The content id of the model's files (`protocol.manifest`), which stage nodes fetch by."""
     state: InstanceState | None = None

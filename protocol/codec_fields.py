@@ -124,8 +124,9 @@ def shape_to_wire(shape: ModelShape | None) -> Any:
         s.tied_embeddings,
         s.kv_bytes_per_token,
         s.context_length,
-        # Only when set, so that every splittable shape keeps the 7 fields older nodes read.
-        *([s.unsplittable] if s.unsplittable else []),
+        # Only when set, so that every shape without them keeps the 7 (8) fields older nodes read.
+        *([s.unsplittable] if s.unsplittable or s.tensor_ranks or s.tensor_unsplittable else []),
+        *([s.tensor_ranks, s.tensor_unsplittable] if s.tensor_ranks or s.tensor_unsplittable else []),
     ]
 
 
@@ -133,7 +134,7 @@ def shape_from_wire(obj: object) -> ModelShape | None:
     if obj is None:
         return None
     f = wire_list(obj, "shape")
-    if len(f) not in (7, 8):
+    if len(f) not in (7, 8, 10):
         raise WireDecodeError(f"shape: wrong length {len(f)}")
     layers = tuple(wire_int(b, "layer bytes") for b in wire_list(f[1], "layer bytes", limit=MAX_LAYERS))
     try:
@@ -145,7 +146,9 @@ def shape_from_wire(obj: object) -> ModelShape | None:
             wire_bool(f[4], "tied embeddings"),
             wire_int(f[5], "kv bytes per token"),
             wire_int(f[6], "context length"),
-            wire_str(f[7], "unsplittable") if len(f) == 8 else "",
+            wire_str(f[7], "unsplittable") if len(f) >= 8 else "",
+            wire_int(f[8], "tensor ranks") if len(f) == 10 else 0,
+            wire_str(f[9], "tensor unsplittable") if len(f) == 10 else "",
         )
     except ValueError as exc:  # WireDecodeError passes through unchanged
         raise exc if isinstance(exc, WireDecodeError) else WireDecodeError(f"invalid shape: {exc}") from exc

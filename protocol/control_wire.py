@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StrictInt, TypeAdapter
 
 from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
+from protocol.cluster_records import Sharding
 from protocol.cluster_view import InstanceView
 from protocol.manifest import Manifest
 from protocol.placement import MAX_REPLICAS, ModelShape
@@ -45,6 +46,8 @@ class PlaceInstance(WireMessage):
     replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
     """Keep this many instances of the model, on disjoint nodes: the leader places the missing ones
     (as many as fit). None: one instance per model, `Exists` when there is one."""
+    sharding: Sharding = "pipeline"
+    """How each instance spreads over its nodes (`InstanceRecord.sharding`)."""
 
 
 class DeleteInstance(WireMessage):

@@ -176,6 +176,7 @@ def instance_view(
         id=record.instance_id,
         model=record.model,
         stages=stages,
+        sharding=record.sharding,
         manifest_id=record.manifest.id if record.manifest is not None else None,
         state=state,
         error=error,

@@ -32,6 +32,10 @@ class ModelShape:
     unsplittable: str = ""
     """Why the model cannot be split into pipeline stages (placement then uses one node); empty
     when it can."""
+    tensor_ranks: int = 0
+    """The most ranks a tensor-parallel instance of it may have (`node.tensor.split`); 0: none."""
+    tensor_unsplittable: str = ""
+    """Why it cannot run tensor-parallel (when `tensor_ranks` is 0); empty when it can."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_bytes, tuple) or not self.layer_bytes:
@@ -42,6 +46,7 @@ class ModelShape:
             ("head_bytes", self.head_bytes),
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("context_length", self.context_length),
+            ("tensor_ranks", self.tensor_ranks),
         ):
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
@@ -94,6 +99,14 @@ class ModelShape:
     def total_bytes(self) -> int:
         """What the whole model needs on one node: weights and KV cache."""
         return self.weight_bytes + self.kv_bytes
+
+    def rank_bytes(self, ranks: int) -> int:
+        """Bytes one rank of a tensor-parallel instance of `ranks` needs: its share of every layer,
+        of the KV cache, the embedding and the head, plus one layer's for a share that cannot be
+        even (whole KV heads: 3 of them on 2 ranks give one rank two)."""
+        if ranks < 1:
+            raise ValueError("a tensor-parallel instance has at least one rank")
+        return -(-self.total_bytes // ranks) + max(self.layer_bytes) + self.kv_bytes_per_layer
 
     def stage_bytes(self, start: int, end: int) -> int:
         """Bytes a stage running layers [start, end) needs: its layers, their KV cache, and the

@@ -25,6 +25,11 @@
 Replicas (`place_replicas`): up to N placements on disjoint sets of nodes, each chosen as above
 on the nodes the earlier ones (and the model's running replicas) left free; as many as fit.
 
+Tensor-parallel instances (`place_tensor`): every chosen node holds a slice of every layer (one
+rank each, `ModelShape.rank_bytes`), rank 0 on the largest. By default as many ranks as there are
+live nodes and as the model's shape allows (`tensor_ranks`): each rank added reads fewer bytes a
+token; the holders of the model's files are preferred as in rule 5.
+
 When nothing fits, `PlacementError` says what the model needs and what each node has. A `Placement`
 is a plan only (`place` changes nothing): an API can show it before the leader writes it as an
 `InstanceRecord` (`Placement.instance`).
@@ -35,11 +40,19 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.cluster_records import MAX_STAGES, InstanceRecord, StageAssignment
+from protocol.cluster_records import MAX_STAGES, InstanceRecord, Sharding, StageAssignment
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.model_shape import ModelShape, prefix_sums
 
-__all__ = ["ModelShape", "Placement", "PlacementError", "format_bytes", "place", "place_replicas"]
+__all__ = [
+    "ModelShape",
+    "Placement",
+    "PlacementError",
+    "format_bytes",
+    "place",
+    "place_replicas",
+    "place_tensor",
+]
 
 MAX_NODES_IN_MESSAGE = 16
 """An error lists this many nodes (the largest) and counts the rest: messages stay readable."""
@@ -62,6 +75,8 @@ class Placement:
     """Bytes each stage needs (weights + KV cache), as `ModelShape.stage_bytes` counts them."""
     capacity_per_stage: tuple[int, ...]
     """Usable bytes of each stage's node (available less headroom); never below `bytes_per_stage`."""
+    sharding: Sharding = "pipeline"
+    """"tensor": `stages` are ranks (`place_tensor`), each holding a slice of every layer."""
 
     @property
     def total_bytes(self) -> int:
@@ -69,7 +84,7 @@ class Placement:
 
     def instance(self, instance_id: InstanceId) -> InstanceRecord:
         """The record the leader writes to apply this plan."""
-        return InstanceRecord(instance_id, self.model, self.stages)
+        return InstanceRecord(instance_id, self.model, self.stages, sharding=self.sharding)
 
 
 def place(
@@ -105,6 +120,48 @@ def place(
     raise PlacementError(_no_fit_message(shape, ranked, headroom, nodes_wanted))
 
 
+def place_tensor(
+    shape: ModelShape,
+    nodes: Sequence[tuple[NodeId, int]],
+    *,
+    headroom: float = 0.0,
+    nodes_wanted: int | None = None,
+    held: Mapping[NodeId, int] | None = None,
+) -> Placement:
+    """A tensor-parallel group for `shape` on `nodes` (see the module doc); `PlacementError` when the
+    model cannot be split so, too few nodes are live, or the ranks do not fit."""
+    if shape.tensor_ranks < 2:
+        why = shape.tensor_unsplittable or "its shape does not split into ranks"
+        raise PlacementError(f"model {shape.model} cannot run tensor-parallel: {why}")
+    ranked = _rank(nodes, headroom)
+    most = min(len(ranked), shape.tensor_ranks)
+    if nodes_wanted is not None:
+        if nodes_wanted < 2:
+            raise PlacementError("a tensor-parallel instance needs at least 2 nodes")
+        if nodes_wanted > shape.tensor_ranks:
+            raise PlacementError(
+                f"model {shape.model} splits into at most {shape.tensor_ranks} tensor-parallel ranks"
+            )
+        if nodes_wanted > len(ranked):
+            raise PlacementError(f"asked for {nodes_wanted} nodes but only {len(ranked)} are live")
+    elif most < 2:
+        raise PlacementError(f"a tensor-parallel instance needs 2 live nodes; {len(ranked)} live")
+    counts = (nodes_wanted,) if nodes_wanted is not None else range(most, 1, -1)
+    for count in counts:
+        need = shape.rank_bytes(count)
+        for chosen in _candidates(ranked, count, held or {}):
+            if all(n.capacity >= need for n in chosen):
+                stages = tuple(StageAssignment(n.id, 0, shape.num_layers) for n in chosen)
+                caps = tuple(n.capacity for n in chosen)
+                return Placement(shape.model, stages, (need,) * count, caps, "tensor")
+    fewest = counts[-1]
+    listed = ", ".join(f"node {n.id[-8:]} {format_bytes(n.capacity)}" for n in ranked[:MAX_NODES_IN_MESSAGE])
+    raise PlacementError(
+        f"model {shape.model} needs {format_bytes(shape.rank_bytes(fewest))} on each of {fewest} nodes "
+        f"to run tensor-parallel; available: {listed}"
+    )
+
+
 def place_replicas(
     shape: ModelShape,
     nodes: Sequence[tuple[NodeId, int]],
@@ -114,9 +171,11 @@ def place_replicas(
     headroom: float = 0.0,
     nodes_wanted: int | None = None,
     held: Mapping[NodeId, int] | None = None,
+    sharding: Sharding = "pipeline",
 ) -> list[Placement]:
     """Up to `count` placements of `shape`, none sharing a node with another or using one in
-    `exclude` (the nodes of the model's running replicas); `place` chooses each on the nodes still
+    `exclude` (the nodes of the model's running replicas); `place` (`place_tensor` for "tensor"
+    sharding) chooses each on the nodes still
     free. As many as fit come back, in order; `PlacementError` only when not even one fits."""
     if not 1 <= count <= MAX_REPLICAS:
         raise ValueError(f"count must be in [1, {MAX_REPLICAS}], not {count!r}")
@@ -126,7 +185,8 @@ def place_replicas(
     plans: list[Placement] = []
     while len(plans) < count:
         try:
-            plan = place(shape, free, headroom=headroom, nodes_wanted=nodes_wanted, held=held)
+            planner = place_tensor if sharding == "tensor" else place
+            plan = planner(shape, free, headroom=headroom, nodes_wanted=nodes_wanted, held=held)
         except PlacementError:
             if not plans:
                 raise

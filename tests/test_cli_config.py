@@ -33,6 +33,7 @@ AS_USERS_SEE_THEM = {
     "model": "smollm2-135m",
     "no_model": False,
     "replicas": 1,
+    "sharding": "pipeline",
     "api_host": "0.0.0.0",
     "api_port": 52415,
     "data_dir": None,

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from api.dashboard_state import instance_states, instance_status, placeable_models
+from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, LoadView, MemberView, ModelFileView, StageView
 from protocol.control_wire import Invalid, Placed, PlaceOutcome, Unavailable
 from protocol.health import NodeHealth, RunnerHealth, RunnerState
@@ -110,7 +111,13 @@ class FakeBackend:
         return [ModelFileView(name=name, model_type="llama", size_bytes=10) for name in self.outcomes]
 
     async def place_instance(
-        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+        self,
+        model: str,
+        nodes: int | None,
+        *,
+        preview: bool,
+        replicas: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
         assert preview
         outcome = self.outcomes[model]

@@ -33,7 +33,7 @@ from node.hosting.instances import HostedInstances
 from node.hosting.replica_load import ReplicaLoads
 from node.net.mesh import Mesh
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
-from protocol.cluster_records import InstanceRecord
+from protocol.cluster_records import InstanceRecord, Sharding
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
     ControlMessage,
@@ -128,16 +128,22 @@ class InstanceManager:
 
     # --- what the backend asks ---------------------------------------------------------------
     async def request_instance(
-        self, source: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+        self,
+        source: str,
+        nodes: int | None,
+        *,
+        preview: bool,
+        replicas: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
-        return await self.requests.place(source, nodes, preview=preview, replicas=replicas)
+        return await self.requests.place(source, nodes, preview=preview, replicas=replicas, sharding=sharding)
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self.requests.delete(instance_id)
 
-    async def ensure_instance(self, source: str, replicas: int = 1) -> None:
+    async def ensure_instance(self, source: str, replicas: int = 1, sharding: str = "pipeline") -> None:
         """For `shoal run --model X`: once there is a leader, make sure X has `replicas` instances."""
-        await self.requests.ensure(source, replicas)
+        await self.requests.ensure(source, replicas, "tensor" if sharding == "tensor" else "pipeline")
 
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

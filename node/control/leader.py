@@ -26,7 +26,7 @@ import trio
 from node.cluster.reader import ClusterReader
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster import NotLeaderError
-from protocol.cluster_records import InstanceRecord
+from protocol.cluster_records import InstanceRecord, Sharding
 from protocol.control_wire import (
     Deleted,
     DeleteInstance,
@@ -108,13 +108,21 @@ class LeaderControl:
         *,
         count: int = 1,
         exclude: Collection[NodeId] = (),
+        sharding: Sharding = "pipeline",
     ) -> list[Placement]:
         """Where `count` instances of `shape` go on the nodes alive now but `exclude`, each on nodes
         of its own, holders of `manifest`'s files first: as many as fit (PlacementError: none)."""
         held = held_bytes(manifest, self.cluster.state.holdings()) if manifest is not None else {}
         memory = sorted(self.cluster.alive_memory().items())
         return place_replicas(
-            shape, memory, count, exclude=exclude, headroom=PLACEMENT_HEADROOM, nodes_wanted=nodes, held=held
+            shape,
+            memory,
+            count,
+            exclude=exclude,
+            headroom=PLACEMENT_HEADROOM,
+            nodes_wanted=nodes,
+            held=held,
+            sharding=sharding,
         )
 
     async def place(self, request: PlaceInstance) -> PlaceOutcome:
@@ -129,7 +137,14 @@ class LeaderControl:
             return _exists(running, request.replicas)
         exclude = nodes_of(running) if request.replicas is not None else set()
         try:
-            plans = self._plan(request.shape, request.manifest, request.nodes, count=missing, exclude=exclude)
+            plans = self._plan(
+                request.shape,
+                request.manifest,
+                request.nodes,
+                count=missing,
+                exclude=exclude,
+                sharding=request.sharding,
+            )
         except PlacementError as exc:
             if request.replicas is None or not running:
                 return Invalid(kind="does_not_fit", reason=str(exc))
@@ -144,6 +159,7 @@ class LeaderControl:
                 request.manifest,
                 request.shape,
                 request.hub_repo,
+                plan.sharding,
             )
             for plan in plans
         ]
@@ -205,7 +221,9 @@ class LeaderControl:
             if record.shape is None:
                 raise PlacementError("the record carries no model shape (it was placed by an older node)")
             others = [r for r in self._records() if r.model == record.model and r.instance_id != iid]
-            plan = self._plan(record.shape, record.manifest, exclude=nodes_of(others))[0]
+            plan = self._plan(
+                record.shape, record.manifest, exclude=nodes_of(others), sharding=record.sharding
+            )[0]
             replaced = dataclasses.replace(record, stages=plan.stages)
             if self.cluster.state.instances().get(iid) == record and replaced != record:
                 await self.cluster.put_instance(replaced)

@@ -23,6 +23,7 @@ from node.control.shapes import ShapeCache
 from node.files.cluster import Described
 from node.models import ModelResolveError
 from node.net.mesh import RequestError
+from protocol.cluster_records import Sharding
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
     DELETE_OUTCOMES,
@@ -147,7 +148,13 @@ class InstanceRequests:
         return shape, described
 
     async def place(
-        self, source: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+        self,
+        source: str,
+        nodes: int | None,
+        *,
+        preview: bool,
+        replicas: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
         try:
             shape, described = await self.read_model(source, preview=preview)
@@ -165,6 +172,7 @@ class InstanceRequests:
             manifest=described.manifest if described else None,
             hub_repo=described.hub_repo if described else "",
             replicas=replicas,
+            sharding=sharding,
         )
         answer = await self._ask(request)
         if isinstance(answer, Placed | Exists) and not preview:
@@ -245,7 +253,7 @@ class InstanceRequests:
             with trio.move_on_after(1.0):
                 await self.cluster.wait_changed()
 
-    async def ensure(self, source: str, replicas: int = 1) -> None:
+    async def ensure(self, source: str, replicas: int = 1, sharding: Sharding = "pipeline") -> None:
         """For `shoal run --model X --replicas N`: once there is a leader, make sure X has N instances.
         While fewer fit, it asks again each time the number of live nodes changes (one joined: room
         for another), within the same `ENSURE_ATTEMPTS`; while none fits, it says so and waits the
@@ -260,7 +268,11 @@ class InstanceRequests:
             alive = len(self.cluster.alive_memory())
             if self.cluster.decision.leader is not None and alive != asked_with:
                 outcome = await self.place(
-                    source, None, preview=False, replicas=replicas if replicas > 1 else None
+                    source,
+                    None,
+                    preview=False,
+                    replicas=replicas if replicas > 1 else None,
+                    sharding=sharding,
                 )
                 match outcome:
                     case Placed() | Exists():

@@ -168,13 +168,23 @@ class HostedInstances:
                 self._publish(hosted, runner)
                 await serve_runner(runner)
                 return
-            log.info(
-                "instance %s: running layers [%d, %d) of %s here",
-                record.instance_id,
-                mine.start_layer,
-                mine.end_layer,
-                record.model,
-            )
+            if record.sharding == "tensor":
+                log.info(
+                    "instance %s: running tensor rank %d of %d of %s here (this node holds the whole "
+                    "model's files: every tensor holds a slice of each rank)",
+                    record.instance_id,
+                    record.stages.index(mine),
+                    len(record.stages),
+                    record.model,
+                )
+            else:
+                log.info(
+                    "instance %s: running layers [%d, %d) of %s here",
+                    record.instance_id,
+                    mine.start_layer,
+                    mine.end_layer,
+                    record.model,
+                )
             host = hosted.host = reachable_host(self._mesh.addrs())
             spec = replace(spec, stage_link=self._stage_links(record.instance_id))
             route = StageRoute(self._mesh, record)

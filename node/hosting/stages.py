@@ -32,6 +32,7 @@ from node.pipeline.stage_wire import (
     NextHop,
     decode_ready,
     encode_next_hop,
+    follower_command,
     stage_command,
 )
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
@@ -79,7 +80,9 @@ def next_stage(record: InstanceRecord, stage: StageAssignment) -> StageAssignmen
     return record.stages[(at + 1) % len(record.stages)]
 
 
-def _label(stage: StageAssignment) -> str:
+def _label(record: InstanceRecord, stage: StageAssignment) -> str:
+    if record.sharding == "tensor":
+        return f"tensor rank {record.stages.index(stage)} of {len(record.stages)}"
     return f"stage [{stage.start_layer}, {stage.end_layer})"
 
 
@@ -140,7 +143,7 @@ class StageRoute:
                     log.info(
                         "instance %s: %s moved from %s to %s",
                         self.record.instance_id,
-                        _label(stage),
+                        _label(self.record, stage),
                         known,
                         address,
                     )
@@ -158,42 +161,52 @@ async def run_stage_process(
 ) -> None:
     """Keep this node's stage process of `route.record` running (until cancelled), fed its next
     hop; `publish` gets its HOST:PORT, or None while down. A restart asks for the same port; one
-    that failed to start takes any."""
+    that failed to start takes any. A tensor-parallel rank's process (`node.tensor.follower`) needs
+    no next hop: rank 0 dials it and says who else is in the group."""
     port = 0
-    instance = route.record.instance_id
-    ahead = next_stage(route.record, stage)
+    record = route.record
+    instance, label, tensor = record.instance_id, _label(record, stage), record.sharding == "tensor"
+    ahead = next_stage(record, stage)
 
     async def run_once() -> None:
         nonlocal port
-        command = stage_command(
-            path,
-            start=stage.start_layer,
-            end=stage.end_layer,
-            host=host,
-            port=port,
-            parent_pid=os.getpid(),
-            next_from_stdin=True,
-        )
-        unknown = encode_next_hop(NextHop(address=None))  # its first frame: no next hop known yet
-        launch = Launch(command, env, READY_MAX_BYTES, spec_frame=unknown, stop_grace_s=STAGE_STOP_GRACE)
+        if tensor:
+            rank, size = record.stages.index(stage), len(record.stages)
+            command = follower_command(
+                path, rank=rank, size=size, host=host, port=port, parent_pid=os.getpid()
+            )
+            first: bytes | None = None
+        else:
+            command = stage_command(
+                path,
+                start=stage.start_layer,
+                end=stage.end_layer,
+                host=host,
+                port=port,
+                parent_pid=os.getpid(),
+                next_from_stdin=True,
+            )
+            first = encode_next_hop(NextHop(address=None))  # its first frame: no next hop known yet
+        launch = Launch(command, env, READY_MAX_BYTES, spec_frame=first, stop_grace_s=STAGE_STOP_GRACE)
         try:
             async with running(launch) as child:
                 try:
                     port = decode_ready(bytes(await child.handshake(STAGE_READY_TIMEOUT))).port
                 except (ChildFailed, FrameError) as exc:
-                    log.error("instance %s: %s failed: %s", instance, _label(stage), exc)
+                    log.error("instance %s: %s failed: %s", instance, label, exc)
                     port = 0  # the port may have been taken meanwhile: take any, the entry follows
                     return
                 publish(f"{host}:{port}")
-                log.info("instance %s: %s listens on %s:%d", instance, _label(stage), host, port)
+                log.info("instance %s: %s listens on %s:%d", instance, label, host, port)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(feed_next_hop, child.send, functools.partial(route.ask, ahead))
+                    if not tensor:
+                        nursery.start_soon(feed_next_hop, child.send, functools.partial(route.ask, ahead))
                     code = await child.wait()
                     nursery.cancel_scope.cancel()
                 log.warning("instance %s: stage process exited (%s)", instance, code)
         finally:
             publish(None)
-            log.info("instance %s: %s stopped", instance, _label(stage))
+            log.info("instance %s: %s stopped", instance, label)
 
     await keep_restarting(run_once, lambda _result, _delay: True)
 
@@ -224,8 +237,9 @@ async def run_entry(
     serve: Callable[[RunnerSupervisor], Awaitable[None]],
     publish: Callable[[RunnerSupervisor | None], None],
 ) -> None:
-    """The first stage: the runner (`spec` in pipeline mode, the later stages dialing back to `host`)
-    for the current route, restarted whenever the route changes."""
+    """The first stage: the runner (`spec` in pipeline mode, the later stages dialing back to `host`;
+    in tensor mode, rank 0 dialing the other ranks) for the current route, restarted whenever the
+    route changes."""
     iid = route.record.instance_id
     end = route.record.stages[0].end_layer
     while True:
@@ -236,7 +250,10 @@ async def run_entry(
             log.error("instance %s: its stages did not all become ready; not serving it", iid)
             return
         log.info("instance %s: stages at %s", iid, ", ".join(addresses))
-        current = runner(dataclasses.replace(spec, pipeline=(end, host, addresses)))
+        if route.record.sharding == "tensor":
+            current = runner(dataclasses.replace(spec, tensor=addresses))
+        else:
+            current = runner(dataclasses.replace(spec, pipeline=(end, host, addresses)))
         publish(current)
         try:
             async with trio.open_nursery() as nursery:

@@ -43,6 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from node.tensor.split import tensor_limit
 from protocol.ids import ModelId
 from protocol.placement import ModelShape
 
@@ -158,6 +159,7 @@ def model_shape(
     tied = config.get("tie_word_embeddings")
     if context_length is None:
         context_length = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+    tensor = tensor_limit(config)
     return ModelShape(
         model=ModelId(model_id),
         layer_bytes=tuple(layers),
@@ -169,6 +171,8 @@ def model_shape(
         ),
         context_length=context_length,
         unsplittable=UNSPLITTABLE.get(str(config.get("model_type")), ""),
+        tensor_ranks=tensor[0],
+        tensor_unsplittable=tensor[1],
     )
 
 

@@ -68,6 +68,18 @@ def decode_next_hop(frame: bytes) -> NextHop:
 _NEXT_HOP: TypeAdapter[NextHop] = TypeAdapter(NextHop)
 
 
+def follower_command(
+    model_path: Path | str, *, rank: int, size: int, host: str, port: int, parent_pid: int | None
+) -> list[str]:
+    """`python -m node.tensor.follower`: rank `rank` of a tensor-parallel group of `size`, which
+    writes a `StageReady` frame once it listens, as a stage does."""
+    command = [sys.executable, "-m", "node.tensor.follower", "--model-path", str(model_path)]
+    command += ["--rank", str(rank), "--size", str(size), "--listen", f"{host}:{port}"]
+    if parent_pid is not None:
+        command += ["--parent-pid", str(parent_pid)]
+    return command
+
+
 def stage_command(
     model_path: Path | str,
     *,

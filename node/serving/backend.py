@@ -25,6 +25,7 @@ from node.serving.failover import Failover, FailoverConfig
 from node.serving.model_cards import ModelCards
 from node.serving.routing import GenerationServer
 from protocol.chat import GenerateRequest
+from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import (
@@ -118,9 +119,17 @@ class NodeBackend:
         return [instance_view(record) for record in self._instances.records()]
 
     async def place_instance(
-        self, model: str, nodes: int | None, *, preview: bool, replicas: int | None = None
+        self,
+        model: str,
+        nodes: int | None,
+        *,
+        preview: bool,
+        replicas: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
-        return await self._instances.request_instance(model, nodes, preview=preview, replicas=replicas)
+        return await self._instances.request_instance(
+            model, nodes, preview=preview, replicas=replicas, sharding=sharding
+        )
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self._instances.delete_instance(instance_id)

@@ -10,7 +10,9 @@ ranks: 2 + 1), which `shard()` in mlx-lm does not allow.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 class SplitError(ValueError):
@@ -90,3 +92,40 @@ def split(shape: Shape, size: int) -> list[Slice]:
         )
         for r in range(size)
     ]
+
+
+TENSOR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""config.json model types whose mlx-lm forward `node.tensor.shard` cuts (mlx-lm runs mistral's
+as llama's): the pipeline's whole-forward families."""
+MAX_RANKS = 8
+"""Ranks a group has at most: every rank waits on the slowest twice a layer, and the home clusters
+we build for have a few machines."""
+
+
+def tensor_limit(config: Mapping[str, Any]) -> tuple[int, str]:
+    """(the most ranks the model of this config.json splits into, or 0 and why it cannot)."""
+    model_type = config.get("model_type")
+    if model_type not in TENSOR_FAMILIES:
+        families = ", ".join(TENSOR_FAMILIES)
+        return 0, f"model type {model_type!r} has no tensor-parallel forward yet (supported: {families})"
+    try:
+        heads = int(config["num_attention_heads"])
+        shape = Shape(
+            q_heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            ffn=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            group=int((config.get("quantization") or {}).get("group_size", 32)),
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        return 0, f"config.json does not give the heads and sizes a split needs ({exc!r})"
+    best, why = 0, ""
+    for ranks in range(2, MAX_RANKS + 1):
+        try:
+            split(shape, ranks)
+        except SplitError as exc:
+            why = str(exc)
+            break
+        best = ranks
+    return (best, "") if best else (0, why)

@@ -1,0 +1,98 @@
+"""Tensor-parallel instances across real nodes: placed through the API, every node holding a
+slice of every layer, answering like one node from any node, and failing over when a rank's
+process dies mid-stream."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.nodes import RunningNode, agreed_leader, start_node
+from tests.test_failover_nodes import assert_seamless, stream
+from tests.test_instances import _instances, _tokens
+from tests.waiting import wait_until
+
+GREEDY = {
+    "messages": [{"role": "user", "content": "Count to a thousand."}],
+    "max_tokens": 200,
+    "temperature": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNode]]:
+    """Two model-less nodes in one cluster."""
+    first = start_node(data_dir=tmp_path_factory.mktemp("a"), model=None)
+    nodes = [first]
+    try:
+        nodes.append(start_node("--peer", first.p2p_addr, data_dir=tmp_path_factory.mktemp("b"), model=None))
+        wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 20, "agreed")
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _followers(node: RunningNode) -> list[psutil.Process]:
+    """The tensor-parallel rank processes a node started (`node.tensor.follower`)."""
+    children = psutil.Process(node.process.pid).children()
+    return [c for c in children if "node.tensor.follower" in " ".join(c.cmdline())]
+
+
+def test_bad_sharding_is_refused_with_the_reason(pair: list[RunningNode], random_model_dir: Path) -> None:
+    url = f"{pair[0].base_url}/v1/instances"
+    bogus = httpx.post(url, json={"model": str(random_model_dir), "sharding": "diagonal"}, timeout=30)
+    assert bogus.status_code == 400 and "sharding" in bogus.text
+    one = httpx.post(url, json={"model": str(random_model_dir), "nodes": 1, "sharding": "tensor"}, timeout=30)
+    assert one.status_code == 422 and "at least 2 nodes" in one.json()["error"]["message"]
+    assert _instances(pair[0]) == []
+
+
+def test_a_two_rank_instance_answers_like_one_node_and_fails_over(
+    pair: list[RunningNode], random_model_dir: Path, random_node: RunningNode
+) -> None:
+    name = random_model_dir.name
+    reference = _tokens(random_node, name)  # the same model on one node, one process
+    body: dict[str, str | int] = {"model": str(random_model_dir), "nodes": 2, "sharding": "tensor"}
+    preview = httpx.get(f"{pair[1].base_url}/v1/instances/preview", params=body, timeout=30)
+    assert preview.status_code == 200, preview.text
+    assert preview.json()["sharding"] == "tensor" and len(preview.json()["stage_bytes"]) == 2
+    created = httpx.post(f"{pair[0].base_url}/v1/instances", json=body, timeout=30)
+    assert created.status_code == 201, created.text
+    instance: dict[str, Any] = created.json()
+    assert instance["sharding"] == "tensor"
+    ranks = instance["stages"]
+    assert [(r["start_layer"], r["end_layer"]) for r in ranks] == [(0, 2), (0, 2)]
+    by_id = {n.node_id: n for n in pair}
+    entry, other = by_id[ranks[0]["node_id"]], by_id[ranks[1]["node_id"]]
+    entry.wait_for_log(f"model {name} ready", timeout=120)
+    other.wait_for_log("tensor rank 1 of 2 of", timeout=30)
+
+    # From either node: one node's text.
+    assert _tokens(other, name) == reference
+    assert _tokens(entry, name) == reference
+
+    # Rank 1's process dies mid-stream: its node starts it again, rank 0 forms the group anew and
+    # the request is taken over; the client sees one uninterrupted answer.
+    whole = stream(other, name, GREEDY)
+
+    killed: list[int] = []
+
+    def kill_rank() -> None:
+        for process in _followers(other):
+            os.kill(process.pid, signal.SIGKILL)
+            killed.append(process.pid)
+
+    assert_seamless(stream(other, name, GREEDY, kill_rank), whole)
+    assert len(killed) == 1
+    wait_until(lambda: [p for p in _followers(other) if p.pid not in killed], 30, "rank 1 running again")
+    assert _tokens(entry, name) == reference
+    deleted = httpx.delete(f"{entry.base_url}/v1/instances/{instance['id']}", timeout=30)
+    assert deleted.status_code == 200
