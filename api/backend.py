@@ -9,7 +9,6 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict
 
 from protocol.chat import GenerateRequest
-from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent
@@ -17,6 +16,7 @@ from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView
 from protocol.ids import ModelId, RequestId
 from protocol.sampling import SamplingDefaults
+from protocol.sharding import Sharding
 
 
 class ModelCard(BaseModel):

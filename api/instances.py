@@ -17,7 +17,6 @@ from starlette.routing import Route
 from api.backend import Backend
 from api.errors import ApiError, from_validation, parse_body
 from api.surface import read_body
-from protocol.cluster_records import Sharding
 from protocol.cluster_view import InstanceView
 from protocol.control_wire import (
     Deleted,
@@ -30,6 +29,7 @@ from protocol.control_wire import (
     Unavailable,
 )
 from protocol.placement import MAX_REPLICAS
+from protocol.sharding import Sharding
 
 MAX_PLACE_BODY_BYTES = 64 * 1024
 """A placement request is a model reference and two counts: well under 1 KiB."""

@@ -22,13 +22,13 @@ from starlette.routing import Route
 
 from api.backend import Backend, ModelCard
 from protocol.chat import GenerateRequest
-from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
 from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView
 from protocol.ids import RequestId
+from protocol.sharding import Sharding
 
 Clock = Callable[[], float]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from node.net.config import MeshConfig, derive_secret
-from protocol.cluster_records import SHARDINGS
 from protocol.placement import MAX_REPLICAS
 from protocol.runner_wire import RunnerSettings
+from protocol.sharding import SHARDINGS
 
 API_KEY_ENV = "SHOAL_API_KEY"
 DEFAULT_MODEL = "smollm2-135m"

@@ -27,7 +27,6 @@ import cbor2
 
 from protocol.cluster import ClusterState, Digest
 from protocol.cluster_records import (
-    SHARDINGS,
     Entry,
     EntryLoad,
     InstanceRecord,
@@ -61,6 +60,7 @@ from protocol.codec_fields import (
 )
 from protocol.health import RUNNER_STATES
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.sharding import SHARDINGS
 
 SCHEMA_VERSION = 6
 """Bump on any change to a record's or a message's layout. 6: a load says its runner's state.

@@ -17,12 +17,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Literal
+from typing import Any
 
 from protocol.health import RUNNER_STATES, RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import MAX_MANIFEST_FILES, Manifest, TransferProgress
 from protocol.model_shape import ModelShape
+from protocol.sharding import Sharding, layout_error
 
 # Size limits: named so the codec, the writers and the tests agree on them.
 MAX_ID_CHARS = 128
@@ -209,14 +210,9 @@ class StageAssignment:
             raise RecordError(f"empty stage [{self.start_layer}, {self.end_layer})")
 
 
-Sharding = Literal["pipeline", "tensor"]
-SHARDINGS: tuple[Sharding, ...] = ("pipeline", "tensor")
-"""How an instance splits a model over its nodes: by layers (stages), or every layer (ranks)."""
-
-
 @dataclass(frozen=True, slots=True)
 class InstanceRecord:
-    """One placement of a model: its pipeline stages, in order and contiguous. Written by the leader."""
+    """One placement of a model: its stages (`sharding` says how), in order. Written by the leader."""
 
     instance_id: InstanceId
     model: ModelId
@@ -233,8 +229,7 @@ class InstanceRecord:
     hub_repo: str = ""
     """The Hugging Face repo the files also come from, when no peer has them; empty: peers only."""
     sharding: Sharding = "pipeline"
-    """"pipeline": `stages` split the layers. "tensor": `stages` are the ranks of one tensor-parallel
-    group, in rank order, each on its own node holding a slice of every layer ([0, layers) each)."""
+    """"pipeline": contiguous stages; "tensor": the ranks, each [0, layers) (`protocol.sharding`)."""
 
     def __post_init__(self) -> None:
         check_node_id("instance_id", self.instance_id)
@@ -243,16 +238,8 @@ class InstanceRecord:
         _check_text("hub_repo", self.hub_repo, MAX_TEXT_CHARS)
         if not isinstance(self.stages, tuple) or not 1 <= len(self.stages) <= MAX_STAGES:
             raise RecordError(f"an instance has 1 to {MAX_STAGES} stages")
-        if self.sharding not in SHARDINGS:
-            raise RecordError(f"sharding must be one of {SHARDINGS}")
-        if self.sharding == "tensor":
-            if len(self.stages) < 2 or len({s.node for s in self.stages}) != len(self.stages):
-                raise RecordError("a tensor-parallel instance has 2 or more ranks, each on its own node")
-            if any((s.start_layer, s.end_layer) != (0, self.stages[0].end_layer) for s in self.stages):
-                raise RecordError("every rank of a tensor-parallel instance holds every layer")
-        for before, after in zip(self.stages, self.stages[1:], strict=False):
-            if after.start_layer != before.end_layer and self.sharding == "pipeline":
-                raise RecordError("stages must be contiguous and in layer order")
+        if why := layout_error(self.sharding, [(s.node, s.start_layer, s.end_layer) for s in self.stages]):
+            raise RecordError(why)
         if self.manifest is not None and not isinstance(self.manifest, Manifest):
             raise RecordError("manifest must be a Manifest")
         if self.shape is not None:

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from protocol.cluster_records import Sharding
 from protocol.health import RunnerState
 from protocol.manifest import TransferProgress
+from protocol.sharding import Sharding
 
 MemberStatus = Literal["unknown", "alive", "suspect", "dead", "left"]
 Role = Literal["leader", "follower"]

@@ -17,10 +17,10 @@ from typing import Annotated, Literal
 from pydantic import Field, StrictInt, TypeAdapter
 
 from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
-from protocol.cluster_records import Sharding
 from protocol.cluster_view import InstanceView
 from protocol.manifest import Manifest
 from protocol.placement import MAX_REPLICAS, ModelShape
+from protocol.sharding import Sharding
 
 CONTROL_PROTOCOL = "/shoal/control/5.0.0"
 """5.0.0: a node asks a peer to describe a model it holds by name. 4.0.0: a place request may ask

@@ -33,7 +33,7 @@ class ModelShape:
     """Why the model cannot be split into pipeline stages (placement then uses one node); empty
     when it can."""
     tensor_ranks: int = 0
-    """The most ranks a tensor-parallel instance of it may have (`node.tensor.split`); 0: none."""
+    """The most ranks a tensor-parallel instance of it may have (`protocol.tensor_split`); 0: none."""
     tensor_unsplittable: str = ""
     """Why it cannot run tensor-parallel (when `tensor_ranks` is 0); empty when it can."""
 

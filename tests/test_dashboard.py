@@ -164,6 +164,26 @@ def test_api_key_is_sent_once_set(dashboard: tuple[Page, Console]) -> None:
     page.wait_for_selector("#live[data-mode=push]")
 
 
+def test_preview_spread_tensor_parallel(
+    dashboard: tuple[Page, Console], cluster: list[RunningNode], random_model_dir: Path
+) -> None:
+    """The form's sharding goes to the leader's preview: the random model's 2 KV heads make 2 ranks
+    of the 3 nodes, each a slice of every layer. Cancelled: the story launches it as layers next."""
+    page, _ = dashboard
+    page.select_option("#launch-sharding", "tensor")
+    page.fill("#launch-ref", random_model_dir.name)
+    page.click("#launch-form button[type=submit]")
+    preview = page.locator("#preview")
+    preview.get_by_text("tensor-parallel").wait_for()
+    assert (
+        preview.locator(".node-id").count() == 2 and "rank 1, a slice of every layer" in preview.inner_text()
+    )
+    preview.get_by_role("button", name="Cancel").click()
+    page.select_option("#launch-sharding", "pipeline")
+    page.fill("#launch-ref", "")
+    assert httpx.get(f"{cluster[0].base_url}/v1/instances", timeout=10).json()["data"] == []
+
+
 def test_launch_with_preview_then_ready(
     dashboard: tuple[Page, Console], cluster: list[RunningNode], random_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -11,10 +11,10 @@ import trio
 import trio.testing
 
 from api.dashboard_state import instance_states, instance_status, placeable_models
-from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, LoadView, MemberView, ModelFileView, StageView
 from protocol.control_wire import Invalid, Placed, PlaceOutcome, Unavailable
 from protocol.health import NodeHealth, RunnerHealth, RunnerState
+from protocol.sharding import Sharding
 
 ME, PEER = "12D3KooWme", "12D3KooWpeer"
 

@@ -25,8 +25,8 @@ from node.pipeline.hop import HopError
 from node.pipeline.shard import ShardError, load_shard
 from node.tensor.mesh import native
 from node.tensor.shard import TensorLinkError, load_tensor_shard
-from node.tensor.split import Shape, SplitError, split
 from protocol.sampling import Sampling
+from protocol.tensor_split import Shape, SplitError, split
 from tests.model_factory import make_random_model, quantized_copy
 from tests.tensor_group import follower_command, ready_address, tensor_group
 

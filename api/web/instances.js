@@ -149,49 +149,50 @@ export class Instances {
     el.hidden = !message;
   }
 
-  /** Ask the leader where `model` would go, and show it with a button to go ahead. */
+  /** Ask the leader where `model` would go (spread as the form's sharding says), and show it with a
+   * button to go ahead. */
   async preview(model) {
     this.showError("");
+    const sharding = $("launch-sharding").value;
     const panel = $("preview");
     panel.hidden = false;
     panel.replaceChildren(h("p.muted", {}, `Asking the leader where ${model} would go…`));
     let plan;
     try {
-      plan = await call("GET", `/v1/instances/preview?model=${encodeURIComponent(model)}`);
+      const query = `model=${encodeURIComponent(model)}&sharding=${encodeURIComponent(sharding)}`;
+      plan = await call("GET", `/v1/instances/preview?${query}`);
     } catch (error) {
       panel.hidden = true;
       this.showError(`${model}: ${error.message}`);
       return;
     }
     const sizes = plan.stage_bytes || [];
+    const tensor = plan.sharding === "tensor";
+    const layers = plan.stages[plan.stages.length - 1].end_layer;
+    const part = (s, i) => (tensor ? `rank ${i}, a slice of every layer` : layerRange(s.start_layer, s.end_layer, layers));
     const items = plan.stages.map((s, i) =>
-      h(
-        "li",
-        {},
-        idLabel(s.node_id),
-        ` ${this.host(s.node_id)}: ${layerRange(s.start_layer, s.end_layer, plan.stages[plan.stages.length - 1].end_layer)}`,
-        sizes[i] !== undefined ? ` · ${bytes(sizes[i])}` : "",
-      ),
+      h("li", {}, idLabel(s.node_id), ` ${this.host(s.node_id)}: ${part(s, i)}`, sizes[i] !== undefined ? ` · ${bytes(sizes[i])}` : ""),
     );
+    const spread = tensor ? ", tensor-parallel" : "";
     panel.replaceChildren(
       h("h3", {}, `Placement preview: ${plan.model}`),
-      h("p.muted", {}, `on ${plan.stages.length} node${plan.stages.length === 1 ? "" : "s"}, as the leader would place it now`),
+      h("p.muted", {}, `on ${plan.stages.length} node${plan.stages.length === 1 ? "" : "s"}${spread}, as the leader would place it now`),
       h("ul", {}, items),
       h(
         "div.actions",
         {},
-        h("button", { type: "button", id: "launch-confirm", onclick: () => this.launch(model) }, "Launch"),
+        h("button", { type: "button", id: "launch-confirm", onclick: () => this.launch(model, plan.sharding) }, "Launch"),
         h("button.ghost", { type: "button", onclick: () => (panel.hidden = true) }, "Cancel"),
       ),
     );
   }
 
-  async launch(model) {
+  async launch(model, sharding = "pipeline") {
     $("preview").hidden = true;
     this.placing.set(model, null);
     this.render();
     try {
-      const instance = await call("POST", "/v1/instances", { model });
+      const instance = await call("POST", "/v1/instances", { model, sharding });
       this.placing.set(model, instance.id);
       if ($("launch-ref").value.trim() === model) $("launch-ref").value = "";
     } catch (error) {

@@ -33,7 +33,7 @@ from node.hosting.instances import HostedInstances
 from node.hosting.replica_load import ReplicaLoads
 from node.net.mesh import Mesh
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
-from protocol.cluster_records import InstanceRecord, Sharding
+from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
     ControlMessage,
@@ -49,6 +49,7 @@ from protocol.control_wire import (
     encode_control,
 )
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.sharding import Sharding
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

@@ -26,7 +26,7 @@ import trio
 from node.cluster.reader import ClusterReader
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster import NotLeaderError
-from protocol.cluster_records import InstanceRecord, Sharding
+from protocol.cluster_records import InstanceRecord
 from protocol.control_wire import (
     Deleted,
     DeleteInstance,
@@ -44,6 +44,7 @@ from protocol.manifest import Manifest
 from protocol.membership import Status, View
 from protocol.model_files import held_bytes, instance_view
 from protocol.placement import ModelShape, Placement, PlacementError, place_replicas
+from protocol.sharding import Sharding
 
 log = logging.getLogger("shoal.instances")
 

@@ -23,7 +23,6 @@ from node.control.shapes import ShapeCache
 from node.files.cluster import Described
 from node.models import ModelResolveError
 from node.net.mesh import RequestError
-from protocol.cluster_records import Sharding
 from protocol.control_wire import (
     CONTROL_PROTOCOL,
     DELETE_OUTCOMES,
@@ -47,6 +46,7 @@ from protocol.election import Decision
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.model_files import instance_view
 from protocol.placement import ModelShape
+from protocol.sharding import Sharding
 
 log = logging.getLogger("shoal.instances")
 

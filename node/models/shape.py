@@ -43,9 +43,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from node.tensor.split import tensor_limit
 from protocol.ids import ModelId
 from protocol.placement import ModelShape
+from protocol.tensor_split import tensor_limit
 
 MAX_HEADER_BYTES = 100 * 1024**2
 """A safetensors header larger than this is refused (the safetensors library's own limit)."""

@@ -25,7 +25,6 @@ from node.serving.failover import Failover, FailoverConfig
 from node.serving.model_cards import ModelCards
 from node.serving.routing import GenerationServer
 from protocol.chat import GenerateRequest
-from protocol.cluster_records import Sharding
 from protocol.cluster_view import ClusterView, InstanceView, ModelFileView
 from protocol.control_wire import DeleteOutcome, PlaceOutcome
 from protocol.events import (
@@ -34,6 +33,7 @@ from protocol.events import (
 from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView, node_models
 from protocol.ids import RequestId
+from protocol.sharding import Sharding
 
 CARDS_REFRESH_S = 10.0
 """At least this often the model cards' facts are read again: a generation_config.json a card

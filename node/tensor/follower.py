@@ -43,10 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         exit_when_orphaned(args.parent_pid)
     security = LinkSecurity.from_env()
 
+    import mlx.core as mx
+
     from node.cpu.dtype import apply_dtype_policy
+    from node.cpu.memory import release_free_heap
     from node.tensor.shard import TensorLinkError, load_tensor_shard
 
     shard = load_tensor_shard(args.model_path, rank=args.rank, size=args.size, prepare=apply_dtype_policy)
+    mx.clear_cache()  # the full tensors each slice was cut from
+    release_free_heap()  # and what loading freed (node.cpu.memory says why)
     listener = listen(*parse_address(args.listen))
     ready = StageReady(port=listener.getsockname()[1], start=0, end=shard.spec.num_layers, pid=os.getpid())
     frames = os.fdopen(os.dup(1), "wb")

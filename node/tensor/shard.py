@@ -45,7 +45,7 @@ from node.pipeline.hop import CONNECT_TIMEOUT
 from node.pipeline.link_auth import OPEN, LinkSecurity
 from node.pipeline.shard import SUPPORTED_MODULES, Prepare, Sampler, ShardError, ShardSpec
 from node.tensor.mesh import LINK_TIMEOUT, dial_group, native
-from node.tensor.split import Shape, Slice, split
+from protocol.tensor_split import Shape, Slice, split
 
 log = logging.getLogger("shoal.tensor")
 
@@ -124,6 +124,7 @@ def slice_model(model: Any, piece: Slice) -> None:
     if "lm_head" in model:
         _rows(model.lm_head, v0, v1)
     mx.eval(model.parameters())
+    mx.clear_cache()  # the full tensors the slices were cut from
 
 
 def install_sums(model: Any, link: Any) -> None:
