@@ -77,6 +77,8 @@ def outcome_response(outcome: PlaceOutcome | DeleteOutcome) -> Response:
             raise ApiError(404, outcome.reason, param="model", code="model_not_found")
         case Invalid(kind="does_not_fit"):
             raise ApiError(422, outcome.reason, param="model", code="insufficient_memory")
+        case Invalid(kind="unsupported"):
+            raise ApiError(400, outcome.reason, param="sharding", code="unsupported_sharding")
         case Invalid():
             raise ApiError(400, outcome.reason, param="model")
         case Unavailable():

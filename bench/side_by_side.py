@@ -56,7 +56,10 @@ class PeakRss:
     def _label(self, proc: psutil.Process) -> str:
         if proc.pid == self.root.pid:
             return "node"
-        return "runner" if "node.runner" in " ".join(proc.cmdline()) else f"{proc.name()} {proc.pid}"
+        command = " ".join(proc.cmdline())
+        if "node.tensor.follower" in command:
+            return "tensor rank"
+        return "runner" if "node.runner" in command else f"{proc.name()} {proc.pid}"
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):

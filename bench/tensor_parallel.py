@@ -84,7 +84,8 @@ def model_folder(name: str, threads: int) -> Path:
 
 
 def client(url: str, model: str, place: dict[str, Any] | None, prompt_tokens: int) -> dict[str, Any]:
-    """Place (if asked), warm up, then time a decode and a prefill; what `main` prints, as JSON."""
+    """With `place`: place the instance and wait for its first answer (a warm-up). Without: time a
+    decode and a prefill. What `main` prints, as JSON."""
     import httpx
 
     from bench.common import chat_body, stream_chat
@@ -95,9 +96,11 @@ def client(url: str, model: str, place: dict[str, Any] | None, prompt_tokens: in
             placed = http.post(f"{url}/v1/instances", json=place)
             if placed.status_code != 201:
                 return {"error": f"placing: {placed.status_code} {placed.text[:300]}"}
-        long_text = STORY * max(1, prompt_tokens // 40)
         stream_chat(http, url, chat_body(model, messages(STORY), 8))  # warm-up: waits for the load
+        if place is not None:
+            return {"placed": placed.json()["id"]}
         decode = stream_chat(http, url, chat_body(model, messages(STORY), OUTPUT_TOKENS))
+        long_text = STORY * max(1, prompt_tokens // 40)
         prefill = stream_chat(http, url, chat_body(model, messages(long_text), 2))
     prompt = int(prefill.usage["prompt_tokens"])
     return {
@@ -118,6 +121,9 @@ class Row:
     prefill_tps: float = float("nan")
     rss: list[int] = field(default_factory=list)
     """Peak RSS of each node (with its runner or rank process)."""
+    parts: list[dict[str, int]] = field(default_factory=list)
+    """Of each node, the peak RSS of each of its processes."""
+    link: str = ""
     error: str = ""
 
 
@@ -129,6 +135,7 @@ def _measure(row: Row, nodes: list[RunningNode], run: Any) -> Row:
         for sampler in samplers:
             sampler.stop()
     row.rss = [s.peak_sum for s in samplers]
+    row.parts = [dict(s.peaks) for s in samplers]
     if "error" in result:
         row.error = result["error"]
     else:
@@ -164,15 +171,18 @@ def lan_instance(label: str, folder: Path, sharding: str, root: Path, rate: str,
                 )
             wait_until(lambda: agreed_leader(nodes), 60, "the LAN's nodes agree on a leader")
             place = {"model": str(folder), "nodes": 2, "sharding": sharding}
-            command = [sys.executable, __file__, "client", nodes[0].base_url, folder.name, json.dumps(place)]
+            command = [sys.executable, __file__, "client", nodes[0].base_url, folder.name]
 
-            def run() -> dict[str, Any]:
-                done = lan.run_in(0, command, timeout=3600)
+            def run(*extra: str) -> dict[str, Any]:
+                done = lan.run_in(0, [*command, *extra], timeout=3600)
                 result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
                 return result
 
-            row = _measure(Row(f"{label} ({lan.describe()})"), nodes, run)
-            return row
+            row = Row(label, link=lan.describe())
+            if "error" in (placed := run(json.dumps(place))):
+                row.error = placed["error"]
+                return row
+            return _measure(row, nodes, run)  # memory from here on, as for one node: after the load
         finally:
             for node in nodes:
                 node.stop(timeout=30)
@@ -185,6 +195,10 @@ def _print(model: str, rows: dict[str, Row]) -> None:
         rss = " + ".join(f"{r / 1e6:.0f}" for r in row.rss) or "-"
         cells = f"{row.decode_tps:>12.2f} {row.prefill_tps:>13.1f} {rss:>22}"
         print(f"  {row.label:<64} {cells}{'  ' + row.error if row.error else ''}")
+        for i, parts in enumerate(row.parts):
+            print(f"      node {i}: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(parts.items())))
+        if row.link:
+            print(f"      {row.link}")
     one, both, tensor = rows["1 node, 1 core"], rows["1 node, 2 cores"], rows["tensor"]
     ratios = {
         "decode vs 1 core": tensor.decode_tps / one.decode_tps,

@@ -118,6 +118,7 @@ async def run_node(config: NodeConfig) -> None:
         kernels=accelerator == "cpu" and config.runner.fast_path and load_kernels().module is not None,
         runner_spec=runner_spec,
         stage_links=stage_links(derive_key(config.mesh.cluster, config.mesh.secret), config.mesh.secret),
+        sealed_links=bool(config.mesh.secret),
     )
     instances = InstanceManager(cluster, mesh, options, files)
     backend = NodeBackend(

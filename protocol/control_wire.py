@@ -99,10 +99,11 @@ class NotFound(WireMessage):
 
 class Invalid(WireMessage):
     """A request the leader will never grant as sent: the model does not fit the nodes alive
-    (`does_not_fit`), or the bytes were not a control request (`malformed`)."""
+    (`does_not_fit`), the bytes were not a control request (`malformed`), or this cluster cannot
+    run it as asked (`unsupported`)."""
 
     type: Literal["invalid"] = "invalid"
-    kind: Literal["does_not_fit", "malformed"]
+    kind: Literal["does_not_fit", "malformed", "unsupported"]
     reason: str
 
 

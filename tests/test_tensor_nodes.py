@@ -96,3 +96,18 @@ def test_a_two_rank_instance_answers_like_one_node_and_fails_over(
     assert _tokens(entry, name) == reference
     deleted = httpx.delete(f"{entry.base_url}/v1/instances/{instance['id']}", timeout=30)
     assert deleted.status_code == 200
+
+
+def test_a_cluster_with_a_secret_refuses_tensor_sharding_with_the_reason(
+    random_model_dir: Path, tmp_path: Path
+) -> None:
+    node = start_node("--cluster-secret", "hunter2", data_dir=tmp_path / "sealed", model=None)
+    try:
+        body = {"model": str(random_model_dir), "nodes": 2, "sharding": "tensor"}
+        refused = httpx.post(f"{node.base_url}/v1/instances", json=body, timeout=30)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "sharding" and "do not seal their frames yet" in error["message"]
+        assert _instances(node) == []
+    finally:
+        node.stop()

@@ -133,14 +133,16 @@ void head_rows(const float* x, long M, int E, const float* norm_w, float eps, co
   release_large(normed);
 }
 
-void tail_rows(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
-               const Bound& gate, const Bound& up, const Bound& down, float* y, TensorLink* link) {
-  thread_local Scratch hbuf, nbuf, gbuf, ubuf, dbuf;
+namespace {
+
+// Rows at which a tensor-parallel tail overlaps its sums with its products (a prefill chunk's).
+constexpr long kOverlapRows = 16;
+
+// norm, gate/up, silu * up and down of M rows of h [M, E] into d [M, E].
+void mlp_rows(const float* h, long M, int E, const float* norm_w, float eps, const Bound& gate, const Bound& up,
+              const Bound& down, float* d) {
+  thread_local Scratch nbuf, gbuf, ubuf;
   const int I = gate.weights.N;
-  float* h = buffer(hbuf, M * E);
-  product(o.weights, att, static_cast<int>(M), h);
-  if (link) link->sum(h, M * E);
-  add_into(h, x, h, M * E);  // h = x + o(attention)
   float* n = buffer(nbuf, M * E);
   rms_rows(h, M, E, norm_w, eps, n);
   float* g = buffer(gbuf, M * I);
@@ -148,11 +150,51 @@ void tail_rows(const float* att, const float* x, long M, int E, const float* nor
   products({{&gate.weights, g}, {&up.weights, u}}, n, static_cast<int>(M));
   silu_into(g, M * I, g);  // in place: each value is read before it is written
   for (long i = 0; i < M * I; i++) g[i] = g[i] * u[i];  // swiglu: silu(gate) * up
-  float* d = buffer(dbuf, M * E);
   product(down.weights, g, static_cast<int>(M), d);
+  release_large(nbuf, gbuf, ubuf);
+}
+
+// tail_rows with a link on a prefill chunk: the rows in two halves, each half's sum in flight
+// while the other half's products run, so that only the last sum waits on the wire.
+void tail_overlapped(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
+                     const Bound& gate, const Bound& up, const Bound& down, float* y, TensorLink& link) {
+  thread_local Scratch hbuf, dbuf;
+  const long half[2] = {M / 2, M - M / 2}, at[2] = {0, M / 2};
+  const int A = o.weights.K;
+  float* h = buffer(hbuf, M * E);
+  float* d = buffer(dbuf, M * E);
+  product(o.weights, att, static_cast<int>(half[0]), h);
+  link.start_sum(h, half[0] * E);
+  product(o.weights, att + at[1] * A, static_cast<int>(half[1]), h + at[1] * E);
+  for (int p = 0; p < 2; p++) {
+    link.wait();  // h of half p, summed
+    add_into(h + at[p] * E, x + at[p] * E, h + at[p] * E, half[p] * E);
+    link.start_sum(p == 0 ? h + at[1] * E : d, (p == 0 ? half[1] : half[0]) * E);  // o of half 1, down of half 0
+    mlp_rows(h + at[p] * E, half[p], E, norm_w, eps, gate, up, down, d + at[p] * E);
+  }
+  link.wait();  // down of half 0
+  link.start_sum(d + at[1] * E, half[1] * E);
+  add_into(y, h, d, half[0] * E);
+  link.wait();
+  add_into(y + at[1] * E, h + at[1] * E, d + at[1] * E, half[1] * E);
+  release_large(hbuf, dbuf);
+}
+
+}  // namespace
+
+void tail_rows(const float* att, const float* x, long M, int E, const float* norm_w, float eps, const Bound& o,
+               const Bound& gate, const Bound& up, const Bound& down, float* y, TensorLink* link) {
+  if (link && M >= kOverlapRows) return tail_overlapped(att, x, M, E, norm_w, eps, o, gate, up, down, y, *link);
+  thread_local Scratch hbuf, dbuf;
+  float* h = buffer(hbuf, M * E);
+  product(o.weights, att, static_cast<int>(M), h);
+  if (link) link->sum(h, M * E);
+  add_into(h, x, h, M * E);  // h = x + o(attention)
+  float* d = buffer(dbuf, M * E);
+  mlp_rows(h, M, E, norm_w, eps, gate, up, down, d);
   if (link) link->sum(d, M * E);
   add_into(y, h, d, M * E);  // out = h + down(...)
-  release_large(hbuf, nbuf, gbuf, ubuf, dbuf);
+  release_large(hbuf, dbuf);
 }
 
 std::vector<mx::array> decoder_head(const mx::array& x, const mx::array& norm_weight, float eps,

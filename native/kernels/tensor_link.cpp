@@ -49,7 +49,41 @@ TensorLink::TensorLink(std::vector<int> fds, int rank, double timeout_s)
   }
 }
 
-TensorLink::~TensorLink() { close(); }
+TensorLink::~TensorLink() {
+  {
+    std::lock_guard<std::mutex> lock(job_mutex_);
+    stopping_ = true;
+  }
+  job_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  close();
+}
+
+void TensorLink::start_sum(float* data, long n) {
+  std::unique_lock<std::mutex> lock(job_mutex_);
+  job_cv_.wait(lock, [&] { return !job_pending_; });
+  if (!worker_.joinable()) {
+    worker_ = std::thread([this] {
+      std::unique_lock<std::mutex> hold(job_mutex_);
+      for (;;) {
+        job_cv_.wait(hold, [&] { return job_pending_ || stopping_; });
+        if (stopping_) return;
+        hold.unlock();
+        sum(job_data_, job_n_);
+        hold.lock();
+        job_pending_ = false;
+        job_cv_.notify_all();
+      }
+    });
+  }
+  job_data_ = data, job_n_ = n, job_pending_ = true;
+  job_cv_.notify_all();
+}
+
+void TensorLink::wait() {
+  std::unique_lock<std::mutex> lock(job_mutex_);
+  job_cv_.wait(lock, [&] { return !job_pending_; });
+}
 
 bool TensorLink::ok() const {
   std::lock_guard<std::mutex> lock(error_mutex_);

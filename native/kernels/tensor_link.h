@@ -17,9 +17,11 @@
 
 #include <mlx/mlx.h>
 
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace shoal {
@@ -42,6 +44,11 @@ class TensorLink {
 
   // data[0, n) becomes the sum over ranks, added in rank order: the same bits on every rank.
   void sum(float* data, long n);
+  // The same on a thread of the link's own, so that the caller computes meanwhile (a prefill
+  // chunk's 6 MB sums take ~50 ms at 1 Gbit/s); `wait` returns once it is done. One at a time:
+  // nothing else may use the link in between.
+  void start_sum(float* data, long n);
+  void wait();
   // Rank 0: out[m, :] = the ranks' parts [m, widths[r]] side by side, in rank order. Others send
   // their part [rows, widths[rank]] to rank 0 and leave out alone.
   void gather(const float* part, long rows, const std::vector<long>& widths, float* out);
@@ -69,6 +76,13 @@ class TensorLink {
   mutable std::mutex error_mutex_;
   std::string error_;
   std::vector<std::vector<char>> scratch_;
+  // start_sum's worker, started on first use.
+  std::mutex job_mutex_;
+  std::condition_variable job_cv_;
+  float* job_data_ = nullptr;
+  long job_n_ = 0;
+  bool job_pending_ = false, stopping_ = false;
+  std::thread worker_;
 };
 
 // x summed over the link's ranks (float32, x's shape), as one MLX operation.

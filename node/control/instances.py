@@ -31,6 +31,7 @@ from node.control.shapes import ModelFiles, ShapeCache
 from node.files.cluster import ClusterFiles
 from node.hosting.instances import HostedInstances
 from node.hosting.replica_load import ReplicaLoads
+from node.models import ModelResolveError
 from node.net.mesh import Mesh
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord
@@ -58,6 +59,12 @@ RECHECK_S = 1.0
 """Reconcile and repair at least this often: deaths come from the detector's ticks, not changes."""
 
 
+SEALED_TENSOR = (
+    "tensor-parallel links do not seal their frames yet, and this cluster has a secret; "
+    "use sharding 'pipeline'"
+)
+
+
 @dataclass(frozen=True)
 class InstanceOptions:
     data_dir: Path
@@ -71,6 +78,8 @@ class InstanceOptions:
     """How this node runs a model it was given: the runner settings of `shoal run`'s flags."""
     stage_links: Callable[[InstanceId], str] = lambda _instance: ""
     """The key of an instance's stage links (`node.pipeline.link_auth`), from the cluster key."""
+    sealed_links: bool = False
+    """The cluster has a secret, so links must seal their frames: tensor-parallel links cannot yet."""
 
 
 class InstanceManager:
@@ -81,6 +90,7 @@ class InstanceManager:
         self.mesh = mesh
         self.files = files
         self.data_dir = options.data_dir
+        self._sealed = options.sealed_links
         """Where this node's models live (`NodeBackend.local_models` lists them)."""
         model_files = ModelFiles(options.data_dir, options.runtime_dtype_bytes, options.kernels)
         self.shapes = ShapeCache(model_files.shape)
@@ -137,6 +147,8 @@ class InstanceManager:
         replicas: int | None = None,
         sharding: Sharding = "pipeline",
     ) -> PlaceOutcome:
+        if sharding == "tensor" and self._sealed:
+            return Invalid(kind="unsupported", reason=SEALED_TENSOR)
         return await self.requests.place(source, nodes, preview=preview, replicas=replicas, sharding=sharding)
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
@@ -144,6 +156,8 @@ class InstanceManager:
 
     async def ensure_instance(self, source: str, replicas: int = 1, sharding: str = "pipeline") -> None:
         """For `shoal run --model X`: once there is a leader, make sure X has `replicas` instances."""
+        if sharding == "tensor" and self._sealed:
+            raise ModelResolveError(f"cannot serve {source!r} tensor-parallel: {SEALED_TENSOR}")
         await self.requests.ensure(source, replicas, "tensor" if sharding == "tensor" else "pipeline")
 
     # --- the service -------------------------------------------------------------------------
