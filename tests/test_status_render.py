@@ -67,3 +67,17 @@ def test_transfers_and_loading_instances_are_shown_and_nothing_when_none_move() 
     assert "0-4 (loading)" in text
     quiet = _text(view.model_copy(update={"members": (_member(()),), "instances": (instance,)}))
     assert "model files" not in quiet and "loading" not in quiet
+
+
+def test_a_tensor_instance_shows_its_ranks() -> None:
+    other = "12D3KooWnodeCCCCCCCC"
+    stages = (
+        StageView(node_id=NODE, start_layer=0, end_layer=4),
+        StageView(node_id=other, start_layer=0, end_layer=4),
+    )
+    instance = InstanceView(id="tiny-llama-1", model="tiny-llama", stages=stages, sharding="tensor")
+    view = ClusterView(
+        cluster="home", self=NODE, leader=NODE, term=1, members=(_member(()),), instances=(instance,)
+    )
+    text = _text(view)
+    assert "tensor: BBBBBBBB: rank 0, CCCCCCCC: rank 1" in text and "0-4" not in text

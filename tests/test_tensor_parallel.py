@@ -4,6 +4,7 @@ comparison is against one process running the whole model on the same kernels.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -150,6 +151,17 @@ def qwen3_q8(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return quantized_copy(source, root / "q8", bits=8, group_size=64)
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_q4(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """qwen3_moe: 8 experts of width 64 (32 rows of each on a rank), top 2, the router whole."""
+    from tests.test_expert_layers import make_qwen3_moe
+
+    root = tmp_path_factory.mktemp("tensor")
+    return quantized_copy(
+        make_qwen3_moe(root / "bf16", tokenizer_from=builtin_model_dir), root / "q4", bits=4, group_size=32
+    )
+
+
 @cache
 def _one_process(model_dir: Path) -> PipelineGenerator:
     return PipelineGenerator(load_shard(model_dir, start=0, prepare=apply_dtype_policy))
@@ -158,7 +170,9 @@ def _one_process(model_dir: Path) -> PipelineGenerator:
 PROMPT = list(range(300, 337))
 
 
-@pytest.mark.parametrize(("model", "size"), [("llama_q4", 2), ("llama_q4", 3), ("qwen3_q8", 2)])
+@pytest.mark.parametrize(
+    ("model", "size"), [("llama_q4", 2), ("llama_q4", 3), ("qwen3_q8", 2), ("qwen3_moe_q4", 2)]
+)
 def test_greedy_tokens_and_logits_match_one_process(
     model: str, size: int, request: pytest.FixtureRequest
 ) -> None:
@@ -219,14 +233,19 @@ def test_the_next_request_forms_the_group_again_after_a_failure(llama_q4: Path) 
         assert all(process.poll() is None for process in followers)
 
 
-def test_families_without_a_tensor_split_are_refused_before_loading(
-    builtin_model_dir: Path, tmp_path: Path
+def test_families_and_sizes_without_a_tensor_split_are_refused_before_loading(
+    llama_q4: Path, tmp_path: Path
 ) -> None:
-    from tests.test_expert_layers import make_qwen3_moe
-
-    folder = make_qwen3_moe(tmp_path / "moe", tokenizer_from=builtin_model_dir)
-    with pytest.raises(ShardError, match="'qwen3_moe' cannot run tensor-parallel yet"):
+    folder = tmp_path / "sinks"
+    folder.mkdir()
+    config = json.loads((llama_q4 / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "model_type": "gpt_oss"})
+    )  # no weights: never read
+    with pytest.raises(ShardError, match="'gpt_oss' has no tensor-parallel forward yet"):
         load_tensor_shard(folder, rank=0, size=2)
+    with pytest.raises(ShardError, match="4 KV heads cannot be spread over 5 ranks"):
+        load_tensor_shard(llama_q4, rank=0, size=5)
 
 
 def test_a_link_of_another_rank_is_refused(llama_q4: Path) -> None:

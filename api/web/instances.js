@@ -7,6 +7,11 @@ import { layerRange } from "./topology.js";
 
 const $ = (id) => document.getElementById(id);
 
+/** What a node holds of an instance: its layers, or (tensor-parallel) its rank's slice of all. */
+function rankOrLayers(tensor, stage, index, layers) {
+  return tensor ? `rank ${index}, a slice of every layer` : layerRange(stage.start_layer, stage.end_layer, layers);
+}
+
 export class Instances {
   constructor() {
     this.view = null;
@@ -69,14 +74,9 @@ export class Instances {
     const deleting = this.deleting.has(instance.id);
     const status = deleting ? { state: "deleting" } : this.states[instance.id] || { state: "unknown" };
     const layers = instance.stages.length ? instance.stages[instance.stages.length - 1].end_layer : 0;
-    const stages = instance.stages.map((s) =>
-      h(
-        "div.stage",
-        {},
-        idLabel(s.node_id),
-        ` ${this.host(s.node_id)} · ${layerRange(s.start_layer, s.end_layer, layers)}`,
-      ),
-    );
+    const tensor = instance.sharding === "tensor";
+    const part = (s, i) => rankOrLayers(tensor, s, i, layers);
+    const stages = instance.stages.map((s, i) => h("div.stage", {}, idLabel(s.node_id), ` ${this.host(s.node_id)} · ${part(s, i)}`));
     return h(
       "tr",
       { dataset: { instanceId: instance.id, model: instance.model, state: status.state } },
@@ -169,7 +169,7 @@ export class Instances {
     const sizes = plan.stage_bytes || [];
     const tensor = plan.sharding === "tensor";
     const layers = plan.stages[plan.stages.length - 1].end_layer;
-    const part = (s, i) => (tensor ? `rank ${i}, a slice of every layer` : layerRange(s.start_layer, s.end_layer, layers));
+    const part = (s, i) => rankOrLayers(tensor, s, i, layers);
     const items = plan.stages.map((s, i) =>
       h("li", {}, idLabel(s.node_id), ` ${this.host(s.node_id)}: ${part(s, i)}`, sizes[i] !== undefined ? ` · ${bytes(sizes[i])}` : ""),
     );

@@ -17,6 +17,7 @@ export function stagesByNode(instances) {
         start: stage.start_layer,
         end: stage.end_layer,
         layers,
+        tensor: instance.sharding === "tensor",
       });
       byNode.set(stage.node_id, list);
     });
@@ -60,8 +61,8 @@ export function layerRange(start, end, total) {
 
 function stageLine(stage) {
   const whole = stage.count === 1;
-  const where = layerRange(stage.start, stage.end, stage.layers);
-  const part = whole ? "" : ` · stage ${stage.index + 1}/${stage.count}`;
+  const where = stage.tensor ? "a slice of every layer" : layerRange(stage.start, stage.end, stage.layers);
+  const part = whole ? "" : ` · ${stage.tensor ? "rank" : "stage"} ${stage.index + 1}/${stage.count}`;
   return h(
     "li",
     { dataset: { instance: stage.instance } },

@@ -42,7 +42,10 @@ NB_MODULE(_kernels, m) {
         "('softmax_topk': qwen3_moe, 'topk_softmax': gpt_oss); float32 [..., D].");
   nb::class_<shoal::TensorLink>(m, "TensorLink",
                                 "A tensor-parallel group's sockets (native/kernels/tensor_link.h).")
-      .def(nb::init<std::vector<int>, int, double>(), "fds"_a, "rank"_a, "timeout_s"_a)
+      .def(nb::new_([](std::vector<int> fds, int rank, double timeout_s) {
+             return std::make_shared<shoal::TensorLink>(std::move(fds), rank, timeout_s);
+           }),
+           "fds"_a, "rank"_a, "timeout_s"_a)
       .def_prop_ro("rank", &shoal::TensorLink::rank)
       .def_prop_ro("size", &shoal::TensorLink::size)
       .def_prop_ro("ok", &shoal::TensorLink::ok)

@@ -28,7 +28,11 @@ namespace shoal {
 
 namespace mx = mlx::core;
 
-class TensorLink {
+// Made by `std::make_shared` (the bindings' constructor does), so the copies that MLX's tasks
+// hold share an ordinary C++ count: nanobind's converter hands out `shared_from_this()`. A copy
+// made from a Python-owned object would take the GIL when a task drops it on MLX's stream thread,
+// while the main thread may hold the GIL waiting for that very stream (mx.clear_cache): a deadlock.
+class TensorLink : public std::enable_shared_from_this<TensorLink> {
  public:
   // fds[r]: a connected socket to rank r (-1 at `rank`); the link owns and closes them.
   TensorLink(std::vector<int> fds, int rank, double timeout_s);

@@ -83,7 +83,12 @@ def render(view: ClusterView) -> Group:
         instances.add_column(column)
     replicas = Counter(instance.model for instance in view.instances)
     for instance in view.instances:
-        stages = ", ".join(f"{s.node_id[-8:]}: {s.start_layer}-{s.end_layer}" for s in instance.stages)
+        if instance.sharding == "tensor":  # every node holds a slice of every layer
+            stages = "tensor: " + ", ".join(
+                f"{s.node_id[-8:]}: rank {r}" for r, s in enumerate(instance.stages)
+            )
+        else:
+            stages = ", ".join(f"{s.node_id[-8:]}: {s.start_layer}-{s.end_layer}" for s in instance.stages)
         if instance.state is not None:  # its files are moving, or their transfer failed
             stages += f" ({instance.state}{': ' + instance.error if instance.error else ''})"
         model = instance.model + (

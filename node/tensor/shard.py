@@ -5,12 +5,14 @@
     h = shard.forward(mx.array([tokens]), cache)         # rank 0 also tells the others to run it
     token = shard.next_token(h, sampler)                 # the head's slices gathered on rank 0
 
-The model is mlx-lm's own (llama, qwen2, qwen3), built with lazy weights; `slice_model` cuts each
-projection to this rank's part (`split`) before anything is read, each layer evaluated on its own
-so that loading never holds more than one full tensor beside the slices:
+The model is mlx-lm's own (llama, qwen2, qwen3, qwen3_moe), built with lazy weights;
+`slice_model` cuts each projection to this rank's part (`split`) before anything is read, each
+layer evaluated on its own so that loading never holds more than one full tensor beside the slices:
 - q, k, v: the rows of this rank's KV heads and their query heads; attention runs on them alone.
 - o: the matching input columns; its output is a partial sum, summed over the ranks (`link_sum`).
-- gate, up: a range of the MLP's rows; down: the same columns, summed likewise.
+- gate, up: a range of the MLP's rows; down: the same columns, summed likewise. A MoE block's
+  experts are each cut so, its router kept whole (every rank routes alike); the block's output
+  is summed.
 - embedding and head: a range of the vocabulary. A token's embedding comes from the rank holding
   its row (the others add exact zeros, so the sum is that row's bits); the head's slices are
   gathered on rank 0, which samples.
@@ -27,6 +29,7 @@ ranks (`TensorShard.run_command` runs it there).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
@@ -43,9 +46,9 @@ from node.cpu.mlx_lm_quirks import put_mixin
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import CONNECT_TIMEOUT
 from node.pipeline.link_auth import OPEN, LinkSecurity
-from node.pipeline.shard import SUPPORTED_MODULES, Prepare, Sampler, ShardError, ShardSpec
+from node.pipeline.shard import Prepare, Sampler, ShardError, ShardSpec
 from node.tensor.mesh import LINK_TIMEOUT, dial_group, native
-from protocol.tensor_split import Shape, Slice, split
+from protocol.tensor_split import Slice, split, tensor_shape
 
 log = logging.getLogger("shoal.tensor")
 
@@ -54,40 +57,27 @@ class TensorLinkError(PipelineError):
     """The group's link failed (a rank closed it, froze past the timeout, or ran another step)."""
 
 
-def model_shape(model: Any, config: dict[str, Any]) -> Shape:
-    """The split's view of an mlx-lm llama-family model."""
-    args = model.args
-    heads = int(args.num_attention_heads)
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-    quantization = config.get("quantization") or {}
-    return Shape(
-        q_heads=heads,
-        kv_heads=int(getattr(args, "num_key_value_heads", None) or heads),
-        head_dim=int(head_dim),
-        ffn=int(args.intermediate_size),
-        vocab=int(args.vocab_size),
-        group=int(quantization.get("group_size", 32)),
-    )
-
-
 def _rows(module: nn.Module, start: int, end: int) -> None:
-    """Keep output rows [start, end) of a Linear, QuantizedLinear or (Quantized)Embedding."""
-    for key in ("weight", "scales", "biases", "bias"):
+    """Keep output rows [start, end) of a Linear, QuantizedLinear or (Quantized)Embedding, or of
+    every expert of a (Quantized)SwitchLinear (its arrays [experts, rows, ...])."""
+    for key in ("weight", "scales", "biases"):
         if key in module and module[key] is not None:
-            module[key] = mx.contiguous(module[key][start:end])
+            module[key] = mx.contiguous(module[key][..., start:end, :])
+    if "bias" in module:
+        module["bias"] = mx.contiguous(module["bias"][..., start:end])
 
 
 def _columns(module: nn.Module, start: int, end: int, *, keep_bias: bool) -> None:
     """Keep input columns [start, end) of a Linear or QuantizedLinear (cuts on whole groups)."""
     bits = getattr(module, "bits", None)
     if bits is None:
-        module["weight"] = mx.contiguous(module["weight"][:, start:end])
+        module["weight"] = mx.contiguous(module["weight"][..., start:end])
     else:
         per_word, group = 32 // bits, module.group_size
-        module["weight"] = mx.contiguous(module["weight"][:, start // per_word : end // per_word])
+        module["weight"] = mx.contiguous(module["weight"][..., start // per_word : end // per_word])
         for key in ("scales", "biases"):
             if key in module and module[key] is not None:
-                module[key] = mx.contiguous(module[key][:, start // group : end // group])
+                module[key] = mx.contiguous(module[key][..., start // group : end // group])
     if "bias" in module and not keep_bias:  # added once, by rank 0, after the sum
         del module["bias"]
 
@@ -106,7 +96,7 @@ def slice_model(model: Any, piece: Slice) -> None:
     if not 0 <= piece.rank < piece.size:
         raise ValueError(f"rank {piece.rank} is outside a group of {piece.size}")
     inner = model.model
-    (q0, q1), (k0, k1), (f0, f1) = piece.q_heads, piece.kv_heads, piece.ffn
+    (q0, q1), (k0, k1) = piece.q_heads, piece.kv_heads
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         dim = attn.q_proj.weight.shape[0] // attn.n_heads  # rows per query head
@@ -115,6 +105,9 @@ def slice_model(model: Any, piece: Slice) -> None:
         _rows(attn.v_proj, k0 * dim, k1 * dim)
         _columns(attn.o_proj, q0 * dim, q1 * dim, keep_bias=piece.rank == 0)
         attn.n_heads, attn.n_kv_heads = q1 - q0, k1 - k0
+        experts = mlp.get("switch_mlp")  # qwen3_moe: every expert cut like an MLP; the router whole
+        mlp = mlp if experts is None else experts
+        f0, f1 = piece.rows(mlp.gate_proj.weight.shape[-2])
         _rows(mlp.gate_proj, f0, f1)
         _rows(mlp.up_proj, f0, f1)
         _columns(mlp.down_proj, f0, f1, keep_bias=piece.rank == 0)
@@ -128,9 +121,11 @@ def slice_model(model: Any, piece: Slice) -> None:
 
 
 def install_sums(model: Any, link: Any) -> None:
-    """Give every layer's o and down the group's sum (after the dtype policy swapped them)."""
+    """Give every layer's o and MLP (down, or a MoE block as a whole) the group's sum (after the
+    dtype policy swapped and fused them)."""
     for layer in model.model.layers:
-        for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        mlp = layer.mlp
+        for module in (layer.self_attn.o_proj, mlp if "switch_mlp" in mlp else mlp.down_proj):
             put_mixin(module, _Summed)
             object.__setattr__(module, "_shoal_link", link)
     restack(model)  # the decode stack's plan, built by the dtype policy, now sums too
@@ -244,13 +239,11 @@ def load_tensor_shard(
     """
     from mlx_lm.utils import load_model
 
+    try:  # before any weight is read
+        pieces = split(tensor_shape(json.loads((Path(path) / "config.json").read_text())), size)
+    except (OSError, ValueError) as exc:
+        raise ShardError(f"{path} cannot run as {size} tensor-parallel ranks: {exc}") from exc
     model, config = load_model(Path(path), lazy=True)
-    if type(model).__module__ not in SUPPORTED_MODULES or getattr(model, "model", None) is None:
-        raise ShardError(
-            f"model type {config.get('model_type')!r} cannot run tensor-parallel yet; "
-            "supported: llama, qwen2, qwen3"
-        )
-    pieces = split(model_shape(model, config), size)
     slice_model(model, pieces[rank])
     if prepare is not None:
         prepare(model)
@@ -297,7 +290,9 @@ class TensorGenerator(PipelineGenerator):
         if link is None or not link.ok:
             if link is not None:
                 link.close()
+            log.info("forming the tensor-parallel group with %s", ", ".join(self.followers))
             self.tensor.attach(self._dial())
+            log.info("tensor-parallel group formed")
 
     def disconnect(self) -> None:
         if self.tensor.link is not None:
