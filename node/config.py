@@ -17,7 +17,7 @@ from typing import Any
 from node.net.config import MeshConfig, derive_secret
 from protocol.placement import MAX_REPLICAS
 from protocol.runner_wire import RunnerSettings
-from protocol.sharding import SHARDINGS
+from protocol.sharding import SHARDINGS, Sharding
 
 API_KEY_ENV = "SHOAL_API_KEY"
 DEFAULT_MODEL = "smollm2-135m"
@@ -35,7 +35,7 @@ class NodeConfig:
     replicas: int = 1
     """Instances of `model` the cluster should run, each on nodes of its own (requests go to the least
     loaded): 1, since a small cluster usually has room for one; more once nodes sit idle."""
-    sharding: str = "pipeline"
+    sharding: Sharding = "pipeline"
     """How an instance of `model` spreads over nodes: "pipeline" (by layers: room for a larger
     model) or "tensor" (a slice of every layer on each node: faster decode, `node.tensor`)."""
     api_host: str = "0.0.0.0"

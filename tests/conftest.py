@@ -11,7 +11,8 @@ import pytest
 from node.models import default_data_dir, ensure_builtin_model
 from tests.gptoss_model import make_scripted_gptoss
 from tests.model_factory import make_random_model
-from tests.nodes import RunningNode, start_node
+from tests.nodes import RunningNode, agreed_leader, start_node
+from tests.waiting import wait_until
 
 FAULT_MODULES = frozenset(
     {
@@ -98,3 +99,17 @@ def scripted_gptoss_node(
     node = start_node(data_dir=tmp_path_factory.mktemp("data"), model=str(scripted_gptoss_dir))
     yield node
     node.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNode]]:
+    """Two model-less nodes in one cluster (one pair per test module)."""
+    first = start_node(data_dir=tmp_path_factory.mktemp("a"), model=None)
+    nodes = [first]
+    try:
+        nodes.append(start_node("--peer", first.p2p_addr, data_dir=tmp_path_factory.mktemp("b"), model=None))
+        wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 20, "agreed")
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()

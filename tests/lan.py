@@ -88,44 +88,16 @@ class Lan:
 
 def _shape(ns: str, dev: str, rate: str, delay_ms: float) -> bool:
     """Rate and delay on `dev`'s egress; False when the kernel has no netem (rate only then)."""
+    add = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root"]
     try:
-        _ip(
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "netem",
-            "delay",
-            f"{delay_ms}ms",
-            "rate",
-            rate,
+        subprocess.run(
+            [*add, "netem", "delay", f"{delay_ms}ms", "rate", rate], check=True, capture_output=True
         )
         return True
     except subprocess.CalledProcessError:
         # tbf's burst must hold one timer tick of traffic at the rate: 1 Gbit/s at HZ 1000 is 125 KB.
-        _ip(
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "256kb",
-            "latency",
-            "20ms",
-        )
+        tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "20ms"]
+        subprocess.run([*add, *tbf], check=True, capture_output=True, timeout=10)
         return False
 
 

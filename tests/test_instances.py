@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from node.net.identity import load_or_create_identity, peer_id_of
 from tests.nodes import RunningNode, agreed_leader, start_node, statuses
@@ -37,20 +35,6 @@ def _tokens(node: RunningNode, model: str, content: str = "Count to twenty.") ->
     usage = chunks[-1].usage
     assert usage is not None
     return text, usage.prompt_tokens, usage.completion_tokens
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNode]]:
-    """Two model-less nodes in one cluster."""
-    first = start_node(data_dir=tmp_path_factory.mktemp("a"), model=None)
-    nodes = [first]
-    try:
-        nodes.append(start_node("--peer", first.p2p_addr, data_dir=tmp_path_factory.mktemp("b"), model=None))
-        wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 20, "agreed")
-        yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
 
 
 def test_place_route_and_delete(pair: list[RunningNode], random_model_dir: Path) -> None:

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
-import pytest
 
-from tests.nodes import RunningNode, agreed_leader, start_node
+from tests.nodes import RunningNode, start_node
 from tests.test_failover_nodes import assert_seamless, stream
 from tests.test_instances import _instances, _tokens
 from tests.waiting import wait_until
@@ -24,20 +22,6 @@ GREEDY = {
     "max_tokens": 200,
     "temperature": 0,
 }
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningNode]]:
-    """Two model-less nodes in one cluster."""
-    first = start_node(data_dir=tmp_path_factory.mktemp("a"), model=None)
-    nodes = [first]
-    try:
-        nodes.append(start_node("--peer", first.p2p_addr, data_dir=tmp_path_factory.mktemp("b"), model=None))
-        wait_until(lambda: agreed_leader(nodes) == min(n.node_id for n in nodes), 20, "agreed")
-        yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
 
 
 def _followers(node: RunningNode) -> list[psutil.Process]:

@@ -154,11 +154,11 @@ class InstanceManager:
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self.requests.delete(instance_id)
 
-    async def ensure_instance(self, source: str, replicas: int = 1, sharding: str = "pipeline") -> None:
+    async def ensure_instance(self, source: str, replicas: int = 1, sharding: Sharding = "pipeline") -> None:
         """For `shoal run --model X`: once there is a leader, make sure X has `replicas` instances."""
         if sharding == "tensor" and self._sealed:
             raise ModelResolveError(f"cannot serve {source!r} tensor-parallel: {SEALED_TENSOR}")
-        await self.requests.ensure(source, replicas, "tensor" if sharding == "tensor" else "pipeline")
+        await self.requests.ensure(source, replicas, sharding)
 
     # --- the service -------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
