@@ -16,7 +16,7 @@ from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView
 from protocol.ids import ModelId, RequestId
 from protocol.sampling import SamplingDefaults
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 
 class ModelCard(BaseModel):
@@ -82,10 +82,10 @@ class Backend(Protocol):
         *,
         preview: bool,
         replicas: int | None = None,
-        sharding: Sharding = "pipeline",
+        sharding: ShardingChoice = "pipeline",
     ) -> PlaceOutcome:
         """Ask the leader to place `model` (on `nodes` nodes if given; with `replicas`, that many
-        instances on disjoint nodes, as many as fit; `sharding` as `InstanceRecord.sharding`);
+        instances on disjoint nodes, as many as fit; `sharding` as `InstanceRecord.sharding`, or "auto");
         `preview` only plans."""
         ...
 

@@ -29,7 +29,7 @@ from protocol.control_wire import (
     Unavailable,
 )
 from protocol.placement import MAX_REPLICAS
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 MAX_PLACE_BODY_BYTES = 64 * 1024
 """A placement request is a model reference and two counts: well under 1 KiB."""
@@ -41,8 +41,9 @@ class PlaceBody(BaseModel):
     nodes: int | None = Field(default=None, ge=1, le=256)
     replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
     """Instances of the model to keep, on disjoint nodes (an integer: "2", 2.0 or true are refused)."""
-    sharding: Sharding = "pipeline"
-    """"pipeline" (layers over the nodes) or "tensor" (a slice of every layer on each node)."""
+    sharding: ShardingChoice = "pipeline"
+    """"pipeline" (layers over the nodes), "tensor" (a slice of every layer on each node) or "auto"
+    (the leader picks: `protocol.auto_sharding`)."""
 
 
 def _object(view: InstanceView) -> dict[str, Any]:
@@ -54,6 +55,8 @@ def _instance(outcome: Placed | Exists | Deleted, status: int) -> Response:
     body = _object(outcome.instance)
     if isinstance(outcome, Placed) and outcome.stage_bytes:
         body["stage_bytes"] = list(outcome.stage_bytes)
+    if isinstance(outcome, Placed) and outcome.sharding_reason:
+        body["sharding_reason"] = outcome.sharding_reason
     if not isinstance(outcome, Deleted) and outcome.requested is not None:
         body["replicas"] = [_object(view) for view in outcome.replicas]
         body["replicas_requested"] = outcome.requested

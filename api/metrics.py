@@ -28,7 +28,7 @@ from protocol.events import ChunkEvent, Finish, GenerationError, PrefillProgress
 from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView
 from protocol.ids import RequestId
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 Clock = Callable[[], float]
 
@@ -150,7 +150,7 @@ class MeteredBackend:
         *,
         preview: bool,
         replicas: int | None = None,
-        sharding: Sharding = "pipeline",
+        sharding: ShardingChoice = "pipeline",
     ) -> PlaceOutcome:
         return await self._backend.place_instance(
             model, nodes, preview=preview, replicas=replicas, sharding=sharding

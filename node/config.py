@@ -17,7 +17,7 @@ from typing import Any
 from node.net.config import MeshConfig, derive_secret
 from protocol.placement import MAX_REPLICAS
 from protocol.runner_wire import RunnerSettings
-from protocol.sharding import SHARDINGS, Sharding
+from protocol.sharding import SHARDING_CHOICES, ShardingChoice
 
 API_KEY_ENV = "SHOAL_API_KEY"
 DEFAULT_MODEL = "smollm2-135m"
@@ -35,9 +35,10 @@ class NodeConfig:
     replicas: int = 1
     """Instances of `model` the cluster should run, each on nodes of its own (requests go to the least
     loaded): 1, since a small cluster usually has room for one; more once nodes sit idle."""
-    sharding: Sharding = "pipeline"
+    sharding: ShardingChoice = "pipeline"
     """How an instance of `model` spreads over nodes: "pipeline" (by layers: room for a larger
-    model) or "tensor" (a slice of every layer on each node: faster decode, `node.tensor`)."""
+    model), "tensor" (a slice of every layer on each node: faster decode, `node.tensor`) or "auto"
+    (the leader picks by the measured round trip and the model: `protocol.auto_sharding`)."""
     api_host: str = "0.0.0.0"
     """All interfaces: any machine of the cluster's network may send requests to any node."""
     api_port: int = 52415
@@ -119,8 +120,9 @@ RUN_FLAGS = (
     Flag(
         "--sharding",
         "sharding",
-        "pipeline (layers over nodes) or tensor (every layer over nodes) for --model (default %(default)s)",
-        check=(lambda s: s in SHARDINGS, f"must be one of {', '.join(SHARDINGS)}"),
+        "pipeline (layers over nodes), tensor (every layer over nodes) or auto (the faster, by the "
+        "measured round trip) for --model (default %(default)s)",
+        check=(lambda s: s in SHARDING_CHOICES, f"must be one of {', '.join(SHARDING_CHOICES)}"),
     ),
     Flag("--api-host", "api_host", "address the HTTP API binds (default %(default)s)"),
     Flag("--api-port", "api_port", "HTTP API port, 0 = any free port (default %(default)s)", check=_PORT),

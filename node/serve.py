@@ -14,6 +14,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from api.app import create_app
+from node.cluster.links import LinkProbe
 from node.cluster.profile import detect_accelerator, read_profile
 from node.cluster.service import MEMORY_ROUNDING, ClusterConfig, ClusterService
 from node.config import NodeConfig
@@ -28,8 +29,9 @@ from node.pipeline.link_auth import stage_links
 from node.serving.backend import NodeBackend
 from node.serving.failover import FailoverConfig
 from node.serving.routing import RemoteGenerations, serve_generations
-from protocol.cluster_records import MAX_MULTIADDRS, MAX_TEXT_CHARS, NodeProfile
+from protocol.cluster_records import NodeProfile
 from protocol.ids import ModelId
+from protocol.record_limits import MAX_MULTIADDRS, MAX_TEXT_CHARS
 from protocol.runner_wire import RunnerSpec
 
 log = logging.getLogger("shoal")
@@ -103,6 +105,7 @@ async def run_node(config: NodeConfig) -> None:
             version=version,
             started_at=started_at,
             multiaddrs=tuple(mesh.addrs()[:MAX_MULTIADDRS]),
+            links=links.links(),
         )
 
     def runner_spec(model_id: ModelId, model_path: Path) -> RunnerSpec:
@@ -112,6 +115,7 @@ async def run_node(config: NodeConfig) -> None:
         mesh, profile, ClusterConfig(cluster=config.mesh.cluster), files=lambda: files.records()
     )
     files = _cluster_files(config, mesh, cluster)
+    links = LinkProbe(cluster.peer_urls)
     options = InstanceOptions(
         data_dir=config.data_dir,
         runtime_dtype_bytes=4 if accelerator == "cpu" else None,
@@ -146,6 +150,7 @@ async def run_node(config: NodeConfig) -> None:
             log.info("p2p listening on %s", addr)
         api_url = _public_api_url(binds[0], addrs)
         await nursery.start(cluster.run)
+        nursery.start_soon(links.run)
         await nursery.start(instances.run)
         nursery.start_soon(backend.keep_cards)
         if config.model is not None:

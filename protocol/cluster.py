@@ -28,7 +28,6 @@ from typing import TypeVar
 
 from protocol.cluster_records import (
     LEADER_KEY_ID,
-    MAX_SUSPECTS,
     NODE_KINDS,
     Entry,
     InstanceRecord,
@@ -47,6 +46,7 @@ from protocol.cluster_records import (
     check_entry,
 )
 from protocol.ids import InstanceId, NodeId
+from protocol.record_limits import MAX_SUSPECTS
 
 _LEADER_KEY: RecordKey = (RecordKind.LEADER, LEADER_KEY_ID)
 _Owned = TypeVar("_Owned", NodeHoldings, NodeTransfers, NodeLoad)

@@ -36,10 +36,10 @@ from protocol.cluster_records import (
     NodeLoad,
     NodeProfile,
     NodeTransfers,
-    RecordError,
     RecordKey,
     RecordKind,
     RecordValue,
+    RoundTrip,
     StageAssignment,
     Suspicion,
 )
@@ -60,6 +60,7 @@ from protocol.codec_fields import (
 )
 from protocol.health import RUNNER_STATES
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.record_limits import RecordError
 from protocol.sharding import SHARDINGS
 
 SCHEMA_VERSION = 6
@@ -124,7 +125,7 @@ def _value_to_wire(value: RecordValue | None) -> Any:
                 v.version,
                 v.started_at,
                 list(v.multiaddrs),
-            ]
+            ] + ([[[t.node, t.us] for t in v.links]] if v.links else [])  # 9 for older nodes
         case Liveness():
             return [value.left, [[s.node, s.incarnation] for s in value.suspects]]
         case LeaderClaim():
@@ -267,7 +268,7 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
     if obj is None:
         return None
     if kind is RecordKind.PROFILE:
-        f = wire_list(obj, "profile", 9)
+        f = wire_list(obj, "profile", 10 if type(obj) is list and len(obj) == 10 else 9)
         started = f[7]
         if type(started) not in (int, float) or not math.isfinite(started):
             raise WireDecodeError("profile.started_at: expected a number")
@@ -282,6 +283,7 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
             wire_str(f[6], "version"),
             float(started),
             addrs,
+            tuple(_round_trip(item) for item in wire_list(f[9], "links")) if len(f) == 10 else (),
         )
     if kind is RecordKind.LIVENESS:
         f = wire_list(obj, "liveness", 2)
@@ -322,6 +324,11 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
         wire_str(f[6], "hub_repo"),
         sharding,
     )
+
+
+def _round_trip(obj: object) -> RoundTrip:
+    f = wire_list(obj, "round trip", 2)
+    return RoundTrip(NodeId(wire_str(f[0], "round trip node")), wire_int(f[1], "round trip"))
 
 
 def _entry_load(obj: object) -> EntryLoad:

@@ -6,52 +6,43 @@ profile, liveness claim, model files held, files moving to it, and the load of t
 the entry of; two by the leader: the leader claim (a singleton) and one record per instance. Files,
 transfers and loads are records of their own, so that frequent writes of one never carry another.
 
-The limits below are enforced when a record is built, so a state never holds a record that the wire
-codec (`protocol.cluster_codec`) would refuse: what one node writes, every node can decode.
+The limits (`protocol.record_limits`) are enforced when a record is built, so a state never holds a
+record that the wire codec (`protocol.cluster_codec`) would refuse: what one node writes, every node
+can decode.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
 
 from protocol.health import RUNNER_STATES, RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import MAX_MANIFEST_FILES, Manifest, TransferProgress
 from protocol.model_shape import ModelShape
+from protocol.record_limits import (
+    MANIFEST_ID_CHARS,
+    MAX_ENTRY_LOADS,
+    MAX_ERROR_CHARS,
+    MAX_HOLDINGS,
+    MAX_ID_CHARS,
+    MAX_LAYERS,
+    MAX_LINKS,
+    MAX_MULTIADDRS,
+    MAX_STAGES,
+    MAX_SUSPECTS,
+    MAX_TEXT_CHARS,
+    MAX_TRANSFERS,
+    MAX_URL_CHARS,
+    RecordError,
+    check_int,
+    check_keyed,
+    check_node_id,
+    check_text,
+)
 from protocol.sharding import Sharding, layout_error
-
-# Size limits: named so the codec, the writers and the tests agree on them.
-MAX_ID_CHARS = 128
-"""Node ids (a peer id is ~52 chars), instance ids."""
-MAX_TEXT_CHARS = 256
-"""Hostname, os, accelerator, software version, model id."""
-MAX_URL_CHARS = 512
-"""The API URL and each multiaddr."""
-MAX_MULTIADDRS = 16
-"""Addresses one node advertises (IPv4 + IPv6 x a few interfaces fits easily)."""
-MAX_STAGES = 256
-"""Pipeline stages of one instance (at most one per layer of any model we serve)."""
-MAX_SUSPECTS = 64
-"""Members one liveness record may name as suspected; more are dropped (suspicion is only a hint)."""
-MAX_INT = 2**63 - 1
-"""Every counter, size and layer index fits in a signed 64-bit integer."""
-MAX_LAYERS = 1024
-"""Layers in one model shape (the largest public models have ~130)."""
-MAX_HOLDINGS = 32
-"""Models one node advertises; partial ones list up to `MAX_MANIFEST_FILES` indices: < ~60 KB."""
-MAX_TRANSFERS = 8
-"""Transfers to one node shown at once: the running ones and the latest finished."""
-MAX_ERROR_CHARS = 512
-"""Why a transfer or a runner failed; longer reasons are cut by the writer."""
-MANIFEST_ID_CHARS = 64
-"""A manifest id is a SHA-256 in hex."""
-MAX_ENTRY_LOADS = 64
-"""Instances one node reports the load of (those it is the entry of: one per model it serves)."""
 
 
 class RecordKind(IntEnum):
@@ -78,42 +69,21 @@ Stamp = tuple[int, int, int]
 """A version plus a 63-bit hash of (owner, value): the total order entries merge by."""
 
 
-class RecordError(ValueError):
-    """A record breaks its own rules (a size limit, a negative counter, non-contiguous stages)."""
-
-
-def _check_text(name: str, value: str, limit: int, *, allow_empty: bool = True) -> None:
-    if not isinstance(value, str):
-        raise RecordError(f"{name} must be text, not {type(value).__name__}")
-    if len(value) > limit:
-        raise RecordError(f"{name} of {len(value)} chars exceeds {limit}")
-    if not allow_empty and not value:
-        raise RecordError(f"{name} must not be empty")
-
-
-def _check_int(name: str, value: int) -> None:
-    if type(value) is not int:
-        raise RecordError(f"{name} must be an integer, not {type(value).__name__}")
-    if not 0 <= value <= MAX_INT:
-        raise RecordError(f"{name} {value} is out of range [0, {MAX_INT}]")
-
-
-def _check_keyed(name: str, items: object, kind: type, limit: int, key: Callable[[Any], str]) -> None:
-    """`items` is a tuple of at most `limit` `kind` values, sorted by `key`, each key once."""
-    if not isinstance(items, tuple) or len(items) > limit or not all(isinstance(i, kind) for i in items):
-        raise RecordError(f"{name} must be a tuple of at most {limit} {kind.__name__} values")
-    keys = [key(item) for item in items]
-    if keys != sorted(set(keys)):
-        raise RecordError(f"{name} must be sorted by key, each once")
-
-
-def check_node_id(name: str, value: str) -> None:
-    _check_text(name, value, MAX_ID_CHARS, allow_empty=False)
-
-
 def check_version(version: Version) -> None:
-    _check_int("version[0]", version[0])
-    _check_int("version[1]", version[1])
+    check_int("version[0]", version[0])
+    check_int("version[1]", version[1])
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class RoundTrip:
+    """The round trip a node measured to `node` (`node.cluster.links`), in microseconds."""
+
+    node: NodeId
+    us: int
+
+    def __post_init__(self) -> None:
+        check_node_id("round trip node", self.node)
+        check_int("round trip", self.us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,21 +104,25 @@ class NodeProfile:
     started_at: float
     """Wall-clock seconds since the epoch, for display only: liveness never compares remote clocks."""
     multiaddrs: tuple[str, ...] = ()
+    links: tuple[RoundTrip, ...] = ()
+    """Round trips to the peers this node measured lately, for "auto" sharding; rounded (few
+    rewrites)."""
 
     def __post_init__(self) -> None:
-        _check_text("hostname", self.hostname, MAX_TEXT_CHARS)
-        _check_text("os", self.os, MAX_TEXT_CHARS)
-        _check_text("accelerator", self.accelerator, MAX_TEXT_CHARS)
-        _check_int("memory_total", self.memory_total)
-        _check_int("memory_available", self.memory_available)
-        _check_text("api_url", self.api_url, MAX_URL_CHARS)
-        _check_text("version", self.version, MAX_TEXT_CHARS)
+        check_text("hostname", self.hostname, MAX_TEXT_CHARS)
+        check_text("os", self.os, MAX_TEXT_CHARS)
+        check_text("accelerator", self.accelerator, MAX_TEXT_CHARS)
+        check_int("memory_total", self.memory_total)
+        check_int("memory_available", self.memory_available)
+        check_text("api_url", self.api_url, MAX_URL_CHARS)
+        check_text("version", self.version, MAX_TEXT_CHARS)
         if type(self.started_at) is not float or not math.isfinite(self.started_at):
             raise RecordError("started_at must be a finite float")
         if not isinstance(self.multiaddrs, tuple) or len(self.multiaddrs) > MAX_MULTIADDRS:
             raise RecordError(f"multiaddrs must be a tuple of at most {MAX_MULTIADDRS}")
         for addr in self.multiaddrs:
-            _check_text("multiaddr", addr, MAX_URL_CHARS, allow_empty=False)
+            check_text("multiaddr", addr, MAX_URL_CHARS, allow_empty=False)
+        check_keyed("links", self.links, RoundTrip, MAX_LINKS, lambda trip: trip.node)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -160,7 +134,7 @@ class Suspicion:
 
     def __post_init__(self) -> None:
         check_node_id("suspected node", self.node)
-        _check_int("suspected incarnation", self.incarnation)
+        check_int("suspected incarnation", self.incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +165,7 @@ class LeaderClaim:
 
     def __post_init__(self) -> None:
         check_node_id("leader", self.node)
-        _check_int("term", self.term)
+        check_int("term", self.term)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +178,8 @@ class StageAssignment:
 
     def __post_init__(self) -> None:
         check_node_id("stage node", self.node)
-        _check_int("start_layer", self.start_layer)
-        _check_int("end_layer", self.end_layer)
+        check_int("start_layer", self.start_layer)
+        check_int("end_layer", self.end_layer)
         if self.start_layer >= self.end_layer:
             raise RecordError(f"empty stage [{self.start_layer}, {self.end_layer})")
 
@@ -233,9 +207,9 @@ class InstanceRecord:
 
     def __post_init__(self) -> None:
         check_node_id("instance_id", self.instance_id)
-        _check_text("model", self.model, MAX_TEXT_CHARS, allow_empty=False)
-        _check_text("source", self.source, MAX_URL_CHARS)
-        _check_text("hub_repo", self.hub_repo, MAX_TEXT_CHARS)
+        check_text("model", self.model, MAX_TEXT_CHARS, allow_empty=False)
+        check_text("source", self.source, MAX_URL_CHARS)
+        check_text("hub_repo", self.hub_repo, MAX_TEXT_CHARS)
         if not isinstance(self.stages, tuple) or not 1 <= len(self.stages) <= MAX_STAGES:
             raise RecordError(f"an instance has 1 to {MAX_STAGES} stages")
         if why := layout_error(self.sharding, [(s.node, s.start_layer, s.end_layer) for s in self.stages]):
@@ -261,14 +235,14 @@ class Holding:
     """The holder's name for the model, by which any node may place it (`protocol.model_names`)."""
 
     def __post_init__(self) -> None:
-        _check_text("manifest_id", self.manifest_id, MANIFEST_ID_CHARS, allow_empty=False)
-        _check_text("holding model", self.model, MAX_TEXT_CHARS)
+        check_text("manifest_id", self.manifest_id, MANIFEST_ID_CHARS, allow_empty=False)
+        check_text("holding model", self.model, MAX_TEXT_CHARS)
         if self.files is None:
             return
         if not isinstance(self.files, tuple) or len(self.files) > MAX_MANIFEST_FILES:
             raise RecordError(f"files must be a tuple of at most {MAX_MANIFEST_FILES} indices")
         for index in self.files:
-            _check_int("file index", index)
+            check_int("file index", index)
         if any(a >= b for a, b in zip(self.files, self.files[1:], strict=False)):
             raise RecordError("file indices must be sorted and unique")
 
@@ -280,7 +254,7 @@ class NodeHoldings:
     models: tuple[Holding, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_keyed("holdings", self.models, Holding, MAX_HOLDINGS, lambda held: held.manifest_id)
+        check_keyed("holdings", self.models, Holding, MAX_HOLDINGS, lambda held: held.manifest_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,16 +269,16 @@ class NodeTransfers:
         for transfer in self.transfers:
             if not isinstance(transfer, TransferProgress):
                 raise RecordError("transfers must hold TransferProgress values")
-            _check_text("transfer manifest_id", transfer.manifest_id, MANIFEST_ID_CHARS)
-            _check_text("transfer model", transfer.model, MAX_TEXT_CHARS)
-            _check_text("transfer error", transfer.error or "", MAX_ERROR_CHARS)
+            check_text("transfer manifest_id", transfer.manifest_id, MANIFEST_ID_CHARS)
+            check_text("transfer model", transfer.model, MAX_TEXT_CHARS)
+            check_text("transfer error", transfer.error or "", MAX_ERROR_CHARS)
             for value in (
                 transfer.bytes_done,
                 transfer.bytes_total,
                 transfer.files_done,
                 transfer.files_total,
             ):
-                _check_int("transfer count", value)
+                check_int("transfer count", value)
             if not math.isfinite(transfer.rate_bps):
                 raise RecordError("a transfer's rate must be finite")
 
@@ -325,9 +299,9 @@ class EntryLoad:
         check_node_id("load instance_id", self.instance_id)
         if self.runner is not None and self.runner not in RUNNER_STATES:
             raise RecordError(f"unknown runner state {self.runner!r}")
-        _check_text("load error", self.error, MAX_ERROR_CHARS)
+        check_text("load error", self.error, MAX_ERROR_CHARS)
         for name in ("active", "queued", "served"):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +311,7 @@ class NodeLoad:
     entries: tuple[EntryLoad, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_keyed("loads", self.entries, EntryLoad, MAX_ENTRY_LOADS, lambda entry: entry.instance_id)
+        check_keyed("loads", self.entries, EntryLoad, MAX_ENTRY_LOADS, lambda entry: entry.instance_id)
 
 
 RecordValue = NodeProfile | Liveness | LeaderClaim | InstanceRecord | NodeHoldings | NodeTransfers | NodeLoad
@@ -384,7 +358,7 @@ def check_entry(key: RecordKey, entry: Entry) -> None:
     the node it names, at version (term, 0); an instance must be keyed by its own id.
     """
     kind, key_id = key
-    _check_text("key id", key_id, MAX_ID_CHARS)
+    check_text("key id", key_id, MAX_ID_CHARS)
     value = entry.value
     if value is not None and not isinstance(value, VALUE_TYPES[kind]):
         raise RecordError(f"a {kind.name} key holds a {type(value).__name__}")

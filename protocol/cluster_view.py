@@ -51,6 +51,9 @@ class MemberView(_View):
     """The models whose files this member serves to the others."""
     transfers: tuple[TransferProgress, ...] = ()
     """Model files moving to this member now, and the latest finished moves (oldest first)."""
+    round_trips_us: dict[str, int] = {}
+    """Round trips this member measured to its peers (by node id), in microseconds ("auto" sharding
+    decides on them)."""
 
 
 class StageView(_View):

@@ -22,10 +22,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from protocol.cluster_records import MAX_HOLDINGS, MAX_INT, MAX_LAYERS, MAX_TRANSFERS, Holding
+from protocol.cluster_records import Holding
 from protocol.ids import ModelId
 from protocol.manifest import MAX_MANIFEST_FILES, FileEntry, Manifest, TransferProgress
 from protocol.model_shape import ModelShape
+from protocol.record_limits import MAX_HOLDINGS, MAX_INT, MAX_LAYERS, MAX_TRANSFERS
 
 MAX_ENTRIES = 4096
 """Entries in one delta or digest: two per node plus instances; enough for ~2000 nodes. Also the

@@ -20,7 +20,7 @@ from protocol.cbor_messages import WireMessage, decode_cbor, encode_cbor
 from protocol.cluster_view import InstanceView
 from protocol.manifest import Manifest
 from protocol.placement import MAX_REPLICAS, ModelShape
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 CONTROL_PROTOCOL = "/shoal/control/5.0.0"
 """5.0.0: a node asks a peer to describe a model it holds by name. 4.0.0: a place request may ask
@@ -46,8 +46,8 @@ class PlaceInstance(WireMessage):
     replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
     """Keep this many instances of the model, on disjoint nodes: the leader places the missing ones
     (as many as fit). None: one instance per model, `Exists` when there is one."""
-    sharding: Sharding = "pipeline"
-    """How each instance spreads over its nodes (`InstanceRecord.sharding`)."""
+    sharding: ShardingChoice = "pipeline"
+    """How each instance spreads over its nodes (`InstanceRecord.sharding`); "auto": the leader picks."""
 
 
 class DeleteInstance(WireMessage):
@@ -69,6 +69,8 @@ class Placed(WireMessage):
     ones by id, then the new ones); `instance` is the first new one."""
     requested: int | None = None
     """The replicas asked for; `replicas` holds fewer when no more fit."""
+    sharding_reason: str = ""
+    """Why the leader chose the sharding, when the request asked for "auto"."""
 
 
 class Exists(WireMessage):

@@ -40,9 +40,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.cluster_records import MAX_STAGES, InstanceRecord, StageAssignment
+from protocol.cluster_records import InstanceRecord, StageAssignment
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.model_shape import ModelShape, prefix_sums
+from protocol.record_limits import MAX_STAGES
 from protocol.sharding import Sharding
 
 __all__ = [

@@ -9,6 +9,9 @@ from typing import Literal
 Sharding = Literal["pipeline", "tensor"]
 SHARDINGS: tuple[Sharding, ...] = ("pipeline", "tensor")
 """By layers (stages, each a contiguous range), or every layer on every node (tensor-parallel ranks)."""
+ShardingChoice = Literal["pipeline", "tensor", "auto"]
+SHARDING_CHOICES: tuple[ShardingChoice, ...] = ("pipeline", "tensor", "auto")
+"""What a request may ask for: a sharding, or "auto" (the leader picks one: `protocol.auto_sharding`)."""
 
 
 def layout_error(sharding: str, spans: Sequence[tuple[str, int, int]]) -> str | None:

@@ -21,6 +21,7 @@ from protocol.cluster_records import (
     RecordKey,
     RecordKind,
     RecordValue,
+    RoundTrip,
     StageAssignment,
     Suspicion,
 )
@@ -46,6 +47,9 @@ profiles = st.builds(
     version=st.just("0.1.0"),
     started_at=st.sampled_from([1.5, 2.25]),
     multiaddrs=st.lists(st.just("/ip4/10.0.0.1/tcp/4001"), max_size=2).map(tuple),
+    links=st.dictionaries(node_ids, st.sampled_from([21, 1200]), max_size=2).map(
+        lambda trips: tuple(RoundTrip(node, us) for node, us in sorted(trips.items()))
+    ),
 )
 livenesses = st.builds(
     Liveness,

@@ -30,22 +30,19 @@ from protocol.cluster_codec import (
     encode_message,
 )
 from protocol.cluster_records import (
-    MAX_HOLDINGS,
-    MAX_LAYERS,
-    MAX_MULTIADDRS,
-    MAX_TEXT_CHARS,
-    MAX_TRANSFERS,
     Holding,
     InstanceRecord,
     NodeHoldings,
     NodeProfile,
     NodeTransfers,
     RecordKind,
+    RoundTrip,
     StageAssignment,
 )
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.manifest import MAX_MANIFEST_FILES, MAX_PATH_CHARS, FileEntry, TransferProgress, manifest_of
 from protocol.model_shape import ModelShape
+from protocol.record_limits import MAX_HOLDINGS, MAX_LAYERS, MAX_MULTIADDRS, MAX_TEXT_CHARS, MAX_TRANSFERS
 from tests.cluster_strategies import NODES, states
 
 A, B = NODES[0], NODES[1]
@@ -131,6 +128,9 @@ def test_round_trip_of_a_real_node_state() -> None:
     decoded = decode_message(encode_message(Delta(state)))
     assert isinstance(decoded, Delta) and decoded.state == state
     assert decoded.state.profiles()[A] == profile
+    measured = dataclasses.replace(profile, links=(RoundTrip(NodeId("b"), 21), RoundTrip(NodeId("c"), 1200)))
+    decoded = decode_message(encode_message(Delta(ClusterState.empty().with_profile(A, measured))))
+    assert isinstance(decoded, Delta) and decoded.state.profiles()[A] == measured
 
 
 def test_encode_delta_splits_big_states_under_the_byte_limit() -> None:

@@ -9,17 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.cluster import ClusterState, NotLeaderError
-from protocol.cluster_records import (
-    MAX_SUSPECTS,
-    InstanceRecord,
-    NodeProfile,
-    RecordError,
-    RecordKind,
-    StageAssignment,
-    Suspicion,
-)
+from protocol.cluster_records import InstanceRecord, NodeProfile, RecordKind, StageAssignment, Suspicion
 from protocol.cluster_sim import SimConfig, simulate
 from protocol.ids import InstanceId, ModelId, NodeId
+from protocol.record_limits import MAX_SUSPECTS, RecordError
 from tests.cluster_strategies import NODES, states
 
 A, B, C, D, E = NODES

@@ -179,6 +179,11 @@ def test_preview_spread_tensor_parallel(
         preview.locator(".node-id").count() == 2 and "rank 1, a slice of every layer" in preview.inner_text()
     )
     preview.get_by_role("button", name="Cancel").click()
+    page.select_option("#launch-sharding", "auto")  # the leader picks, and the preview says why
+    page.click("#launch-form button[type=submit]")
+    page.locator("#sharding-reason").wait_for()
+    assert page.locator("#sharding-reason").inner_text().startswith("Chosen: ")
+    preview.get_by_role("button", name="Cancel").click()
     page.select_option("#launch-sharding", "pipeline")
     page.fill("#launch-ref", "")
     assert httpx.get(f"{cluster[0].base_url}/v1/instances", timeout=10).json()["data"] == []

@@ -9,11 +9,12 @@ import trio
 
 from protocol.cluster import ClusterState
 from protocol.cluster_codec import Delta, WireDecodeError, decode_message, encode_message
-from protocol.cluster_records import EntryLoad, InstanceRecord, NodeLoad, RecordError, StageAssignment
+from protocol.cluster_records import EntryLoad, InstanceRecord, NodeLoad, StageAssignment
 from protocol.control_wire import ControlWireError, Exists, Invalid, Placed, decode_control, encode_control
 from protocol.health import RunnerState
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.placement import MAX_REPLICAS, PlacementError, place_replicas
+from protocol.record_limits import RecordError
 from protocol.replicas import Replica, load_view, order_replicas, replicas_of
 from tests.control_fakes import GIB, ME, SHAPE, ask, leader_of, run
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.nodes import RunningNode, start_node
+from tests.nodes import RunningNode, agreed_leader, start_node
 from tests.test_failover_nodes import assert_seamless, stream
 from tests.test_instances import _instances, _tokens
 from tests.waiting import wait_until
@@ -37,6 +37,27 @@ def test_bad_sharding_is_refused_with_the_reason(pair: list[RunningNode], random
     one = httpx.post(url, json={"model": str(random_model_dir), "nodes": 1, "sharding": "tensor"}, timeout=30)
     assert one.status_code == 422 and "at least 2 nodes" in one.json()["error"]["message"]
     assert _instances(pair[0]) == []
+
+
+def test_auto_sharding_decides_on_the_round_trip_the_nodes_measured(
+    pair: list[RunningNode], random_model_dir: Path
+) -> None:
+    """Each node measures its way to the other (`GET /v1/cluster` shows it); the leader weighs it
+    against the model: the random model reads a few MB a token, far too little to pay for 7
+    exchanges a token, so "auto" is pipeline, and the preview says why with the figures."""
+
+    def measured() -> dict[str, dict[str, int]]:
+        members = httpx.get(f"{pair[0].base_url}/v1/cluster", timeout=10).json()["members"]
+        return {m["id"]: m["round_trips_us"] for m in members if m["round_trips_us"]}
+
+    trips = wait_until(measured, 30, "both nodes measured their round trip to the other")
+    assert len(trips) == 2 and all(0 < us < 1_000_000 for t in trips.values() for us in t.values())
+    params = {"model": str(random_model_dir), "sharding": "auto"}
+    preview = httpx.get(f"{pair[1].base_url}/v1/instances/preview", params=params, timeout=30)
+    assert preview.status_code == 200, preview.text
+    plan = preview.json()
+    assert plan["sharding"] == "pipeline" and plan["sharding_reason"].startswith("pipeline: 2 ranks")
+    assert "7 exchanges at a" in plan["sharding_reason"] and "us round trip" in plan["sharding_reason"]
 
 
 def test_a_two_rank_instance_answers_like_one_node_and_fails_over(
@@ -87,6 +108,7 @@ def test_a_cluster_with_a_secret_refuses_tensor_sharding_with_the_reason(
 ) -> None:
     node = start_node("--cluster-secret", "hunter2", data_dir=tmp_path / "sealed", model=None)
     try:
+        wait_until(lambda: agreed_leader([node]), 30, "the node leads itself")  # the leader refuses
         body = {"model": str(random_model_dir), "nodes": 2, "sharding": "tensor"}
         refused = httpx.post(f"{node.base_url}/v1/instances", json=body, timeout=30)
         assert refused.status_code == 400

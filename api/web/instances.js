@@ -178,6 +178,7 @@ export class Instances {
       h("h3", {}, `Placement preview: ${plan.model}`),
       h("p.muted", {}, `on ${plan.stages.length} node${plan.stages.length === 1 ? "" : "s"}${spread}, as the leader would place it now`),
       h("ul", {}, items),
+      plan.sharding_reason ? h("p.muted", { id: "sharding-reason" }, `Chosen: ${plan.sharding_reason}`) : "",
       h(
         "div.actions",
         {},

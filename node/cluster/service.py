@@ -344,6 +344,11 @@ class ClusterService:
         alive = self.view.alive() | {self.me}
         return {node: p.memory_available for node, p in self.state.profiles().items() if node in alive}
 
+    def peer_urls(self) -> dict[NodeId, str]:
+        """The API URL of every other node alive now (`node.cluster.links` measures the way there)."""
+        alive = self.view.alive() - {self.me}
+        return {node: p.api_url for node, p in self.state.profiles().items() if node in alive and p.api_url}
+
     # --- what the API shows ------------------------------------------------------------------
     def snapshot(self) -> ClusterView:
         now = self._clock()
@@ -373,6 +378,7 @@ class ClusterService:
                     multiaddrs=profile.multiaddrs,
                     models=holding_views(holdings.get(node, NodeHoldings())),
                     transfers=transfers.get(node, NodeTransfers()).transfers,
+                    round_trips_us={trip.node: trip.us for trip in profile.links},
                 )
             )
         loads = self.state.loads()

@@ -31,7 +31,6 @@ from node.control.shapes import ModelFiles, ShapeCache
 from node.files.cluster import ClusterFiles
 from node.hosting.instances import HostedInstances
 from node.hosting.replica_load import ReplicaLoads
-from node.models import ModelResolveError
 from node.net.mesh import Mesh
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.cluster_records import InstanceRecord
@@ -50,19 +49,13 @@ from protocol.control_wire import (
     encode_control,
 )
 from protocol.ids import InstanceId, ModelId, NodeId
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 RECHECK_S = 1.0
 """Reconcile and repair at least this often: deaths come from the detector's ticks, not changes."""
-
-
-SEALED_TENSOR = (
-    "tensor-parallel links do not seal their frames yet, and this cluster has a secret; "
-    "use sharding 'pipeline'"
-)
 
 
 @dataclass(frozen=True)
@@ -90,11 +83,10 @@ class InstanceManager:
         self.mesh = mesh
         self.files = files
         self.data_dir = options.data_dir
-        self._sealed = options.sealed_links
         """Where this node's models live (`NodeBackend.local_models` lists them)."""
         model_files = ModelFiles(options.data_dir, options.runtime_dtype_bytes, options.kernels)
         self.shapes = ShapeCache(model_files.shape)
-        self.leader = LeaderControl(cluster)
+        self.leader = LeaderControl(cluster, sealed=options.sealed_links)
         self.finder = ModelFinder(
             cluster, mesh, files, model_files.folder_shape, self.shapes.get, options.data_dir
         )
@@ -145,19 +137,17 @@ class InstanceManager:
         *,
         preview: bool,
         replicas: int | None = None,
-        sharding: Sharding = "pipeline",
+        sharding: ShardingChoice = "pipeline",
     ) -> PlaceOutcome:
-        if sharding == "tensor" and self._sealed:
-            return Invalid(kind="unsupported", reason=SEALED_TENSOR)
         return await self.requests.place(source, nodes, preview=preview, replicas=replicas, sharding=sharding)
 
     async def delete_instance(self, instance_id: str) -> DeleteOutcome:
         return await self.requests.delete(instance_id)
 
-    async def ensure_instance(self, source: str, replicas: int = 1, sharding: Sharding = "pipeline") -> None:
+    async def ensure_instance(
+        self, source: str, replicas: int = 1, sharding: ShardingChoice = "pipeline"
+    ) -> None:
         """For `shoal run --model X`: once there is a leader, make sure X has `replicas` instances."""
-        if sharding == "tensor" and self._sealed:
-            raise ModelResolveError(f"cannot serve {source!r} tensor-parallel: {SEALED_TENSOR}")
         await self.requests.ensure(source, replicas, sharding)
 
     # --- the service -------------------------------------------------------------------------

@@ -8,7 +8,9 @@ this leader or the next) re-places with the record's own. Placement prefers the 
 model's files (their `NodeHoldings`). A model may have replicas: instances on disjoint sets of
 nodes, placed as many as fit when a request asks for them, and re-placed like any instance, away
 from the other replicas. Repair runs one task per instance that lost a node; one that cannot be
-re-placed is tried again after a backoff, not on every pass of the loop.
+re-placed is tried again after a backoff, not on every pass of the loop. A request for "auto"
+sharding is decided here, on the round trips the nodes measured (`protocol.auto_sharding`), and a
+cluster with a secret refuses tensor sharding (its links do not seal their frames yet).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 import trio
 
 from node.cluster.reader import ClusterReader
+from protocol.auto_sharding import AutoChoice, choose_sharding, worst_round_trip
 from protocol.backoff import Backoff, BackoffPolicy
 from protocol.cluster import NotLeaderError
 from protocol.cluster_records import InstanceRecord
@@ -44,12 +47,17 @@ from protocol.manifest import Manifest
 from protocol.membership import Status, View
 from protocol.model_files import held_bytes, instance_view
 from protocol.placement import ModelShape, Placement, PlacementError, place_replicas
-from protocol.sharding import Sharding
+from protocol.sharding import Sharding, ShardingChoice
 
 log = logging.getLogger("shoal.instances")
 
 PLACEMENT_HEADROOM = 0.1
 """Fraction of a node's available memory placement leaves free (OS, activations, other programs)."""
+SEALED_TENSOR = (
+    "tensor-parallel links do not seal their frames yet, and this cluster has a secret; "
+    "use sharding 'pipeline'"
+)
+
 REPAIR_RETRY = BackoffPolicy(min_s=2.0, max_s=60.0)
 """An instance that cannot be re-placed (no room left, an unreadable model) waits 2 s, 4 s ... 60 s
 between tries: a node joining or memory freeing up is picked up within a minute."""
@@ -87,13 +95,22 @@ def _exists(running: list[InstanceRecord], requested: int | None) -> Exists:
     return Exists(instance=views[0], replicas=views, requested=requested)
 
 
+def _resolved(sharding: ShardingChoice) -> Sharding:
+    """`sharding` when it is one ("auto" is decided by `LeaderControl._auto` before this)."""
+    return "tensor" if sharding == "tensor" else "pipeline"
+
+
 def _not_leader(still: str = "") -> Unavailable:
     return Unavailable(kind="not_leader", reason=f"this node is {still}not the leader")
 
 
 class LeaderControl:
-    def __init__(self, cluster: LeaderCluster, *, rand: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self, cluster: LeaderCluster, *, rand: Callable[[], float] = random.random, sealed: bool = False
+    ) -> None:
         self.cluster = cluster
+        self._sealed = sealed
+        """The cluster has a secret: tensor-parallel links would carry its frames unsealed."""
         self._rand = rand
         self._repairing: set[InstanceId] = set()
         self._retries: dict[InstanceId, Backoff] = {}
@@ -137,6 +154,9 @@ class LeaderControl:
         if missing <= 0:
             return _exists(running, request.replicas)
         exclude = nodes_of(running) if request.replicas is not None else set()
+        if request.sharding == "tensor" and self._sealed:
+            return Invalid(kind="unsupported", reason=SEALED_TENSOR)
+        chosen = self._auto(request, exclude) if request.sharding == "auto" else None
         try:
             plans = self._plan(
                 request.shape,
@@ -144,7 +164,7 @@ class LeaderControl:
                 request.nodes,
                 count=missing,
                 exclude=exclude,
-                sharding=request.sharding,
+                sharding=chosen.sharding if chosen else _resolved(request.sharding),
             )
         except PlacementError as exc:
             if request.replicas is None or not running:
@@ -186,7 +206,24 @@ class LeaderControl:
             preview=request.preview,
             replicas=replicas,
             requested=request.replicas,
+            sharding_reason=chosen.reason if chosen else "",
         )
+
+    def _auto(self, request: PlaceInstance, exclude: Collection[NodeId]) -> AutoChoice:
+        """Tensor or pipeline for an "auto" request: the rule on a tensor plan's nodes, if one fits."""
+        if self._sealed:
+            return AutoChoice("pipeline", f"pipeline: {SEALED_TENSOR.split(';')[0]}")
+        try:
+            plan = self._plan(
+                request.shape, request.manifest, request.nodes, exclude=exclude, sharding="tensor"
+            )[0]
+        except PlacementError as exc:
+            return AutoChoice("pipeline", f"pipeline: no tensor-parallel placement ({exc})")
+        links = {node: {t.node: t.us for t in p.links} for node, p in self.cluster.state.profiles().items()}
+        nodes = [stage.node for stage in plan.stages]
+        choice = choose_sharding(request.shape, len(nodes), worst_round_trip(links, nodes))
+        log.info("sharding for %s: %s", request.model, choice.reason)
+        return choice
 
     async def delete(self, request: DeleteInstance) -> DeleteOutcome:
         if not self.cluster.is_leader:

@@ -46,7 +46,7 @@ from protocol.election import Decision
 from protocol.ids import InstanceId, ModelId, NodeId
 from protocol.model_files import instance_view
 from protocol.placement import ModelShape
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 log = logging.getLogger("shoal.instances")
 
@@ -154,7 +154,7 @@ class InstanceRequests:
         *,
         preview: bool,
         replicas: int | None = None,
-        sharding: Sharding = "pipeline",
+        sharding: ShardingChoice = "pipeline",
     ) -> PlaceOutcome:
         try:
             shape, described = await self.read_model(source, preview=preview)
@@ -253,7 +253,7 @@ class InstanceRequests:
             with trio.move_on_after(1.0):
                 await self.cluster.wait_changed()
 
-    async def ensure(self, source: str, replicas: int = 1, sharding: Sharding = "pipeline") -> None:
+    async def ensure(self, source: str, replicas: int = 1, sharding: ShardingChoice = "pipeline") -> None:
         """For `shoal run --model X --replicas N`: once there is a leader, make sure X has N instances.
         While fewer fit, it asks again each time the number of live nodes changes (one joined: room
         for another), within the same `ENSURE_ATTEMPTS`; while none fits, it says so and waits the

@@ -40,16 +40,7 @@ from node.files.local_copy import gguf_of, own_copy
 from node.models import resolve_model
 from node.models.disk import make_room, mark_used
 from node.models.store import LocalModel, models_dir
-from protocol.cluster_records import (
-    MAX_ERROR_CHARS,
-    MAX_HOLDINGS,
-    MAX_TEXT_CHARS,
-    MAX_TRANSFERS,
-    InstanceRecord,
-    NodeHoldings,
-    NodeTransfers,
-    StageAssignment,
-)
+from protocol.cluster_records import InstanceRecord, NodeHoldings, NodeTransfers, StageAssignment
 from protocol.ids import NodeId
 from protocol.manifest import Manifest, metadata_paths
 from protocol.membership import Status
@@ -61,6 +52,7 @@ from protocol.model_files import (
     holding_of,
 )
 from protocol.model_names import distinct_name, names_in_use
+from protocol.record_limits import MAX_ERROR_CHARS, MAX_HOLDINGS, MAX_TEXT_CHARS, MAX_TRANSFERS
 
 log = logging.getLogger("shoal.files")
 

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, TypeVar
 from node.cluster.reader import ClusterReader
 from node.runner.supervisor import RunnerSpec, RunnerSupervisor
 from protocol.chat import GenerateRequest
-from protocol.cluster_records import MAX_ENTRY_LOADS, MAX_ERROR_CHARS, EntryLoad, InstanceRecord, NodeLoad
+from protocol.cluster_records import EntryLoad, InstanceRecord, NodeLoad
 from protocol.events import ChunkEvent
 from protocol.ids import NodeId, RequestId
+from protocol.record_limits import MAX_ENTRY_LOADS, MAX_ERROR_CHARS
 from protocol.replicas import order_replicas, replicas_of
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from protocol.events import (
 from protocol.health import NodeHealth
 from protocol.held_models import ClusterModelsView, node_models
 from protocol.ids import RequestId
-from protocol.sharding import Sharding
+from protocol.sharding import ShardingChoice
 
 CARDS_REFRESH_S = 10.0
 """At least this often the model cards' facts are read again: a generation_config.json a card
@@ -125,7 +125,7 @@ class NodeBackend:
         *,
         preview: bool,
         replicas: int | None = None,
-        sharding: Sharding = "pipeline",
+        sharding: ShardingChoice = "pipeline",
     ) -> PlaceOutcome:
         return await self._instances.request_instance(
             model, nodes, preview=preview, replicas=replicas, sharding=sharding
