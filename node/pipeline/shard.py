@@ -242,9 +242,13 @@ class Shard(nn.Module):
     def next_token(self, h: mx.array, sampler: Sampler) -> mx.array:
         """Last stage: the next token after hidden states `h` (lazy, shape [1]), picked exactly as
         mlx-lm's `generate_step` picks it."""
-        logits = self.logits(h)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs)
+        return pick_token(self.logits(h), sampler)
+
+
+def pick_token(logits: mx.array, sampler: Sampler) -> mx.array:
+    """The token `sampler` picks from the last position's `logits`, as mlx-lm's `generate_step`
+    does (on log-probabilities)."""
+    return sampler(logits - mx.logsumexp(logits, keepdims=True))
 
 
 def _kept_prefixes(spec: ShardSpec, *, keep_embedding: bool, head: bool) -> tuple[str, ...]:

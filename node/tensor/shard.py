@@ -46,7 +46,7 @@ from node.cpu.mlx_lm_quirks import put_mixin
 from node.pipeline.driver import PipelineError, PipelineGenerator
 from node.pipeline.hop import CONNECT_TIMEOUT
 from node.pipeline.link_auth import OPEN, LinkSecurity
-from node.pipeline.shard import Prepare, Sampler, ShardError, ShardSpec
+from node.pipeline.shard import Prepare, Sampler, ShardError, ShardSpec, pick_token
 from node.tensor.mesh import LINK_TIMEOUT, dial_group, native
 from protocol.tensor_split import Slice, split, tensor_shape
 
@@ -209,9 +209,7 @@ class TensorShard(nn.Module):
         return cast(mx.array, native().link_gather(part, self.link, self.vocab_widths)[:, -1, :])
 
     def next_token(self, h: mx.array, sampler: Sampler) -> mx.array:
-        logits = self.logits(h)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs)
+        return pick_token(self.logits(h), sampler)
 
     def run_command(self, payload: bytes) -> None:
         """Another rank: run the step rank 0 sent (its layers and head slice, in the group's sums)."""
@@ -226,6 +224,7 @@ class TensorShard(nn.Module):
             self.check()
         else:
             self.prefill(x, cache)
+            mx.clear_cache()  # a chunk's activations, as rank 0's driver drops them
 
 
 def load_tensor_shard(
