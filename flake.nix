@@ -15,7 +15,7 @@
         # wrapper that installs the project with pip into a virtual environment on first run.
         shoal = pkgs.writeShellApplication {
           name = "shoal";
-          runtimeInputs = [ python pkgs.gnumake pkgs.gcc ];
+          runtimeInputs = [ python pkgs.gnumake pkgs.gcc pkgs.openssl.dev ];
           text = ''
             state="''${XDG_DATA_HOME:-$HOME/.local/share}/shoal/venv"
             if [ ! -x "$state/bin/shoal" ]; then
@@ -32,7 +32,7 @@
         packages.shoal = shoal;
         apps.default = { type = "app"; program = "${shoal}/bin/shoal"; };
         devShells.default = pkgs.mkShell {
-          packages = [ python pkgs.gnumake pkgs.gcc pkgs.ruff pkgs.iproute2 ];
+          packages = [ python pkgs.gnumake pkgs.gcc pkgs.openssl.dev pkgs.ruff pkgs.iproute2 ];
           shellHook = ''
             export PYTHONPATH="$PWD''${PYTHONPATH:+:$PYTHONPATH}"
           '';

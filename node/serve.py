@@ -22,7 +22,7 @@ from node.control.instances import InstanceManager, InstanceOptions
 from node.files import Fetcher, FileServer, HashCache, sidecar_path
 from node.files.cluster import ClusterFiles, live_members
 from node.models.harmony_vocab import HarmonyVocabError, prepare_harmony_vocab, vocab_folder
-from node.native import load_kernels
+from node.native import load_kernels, tensor_links_seal
 from node.net.auth import derive_key
 from node.net.mesh import Mesh
 from node.pipeline.link_auth import stage_links
@@ -122,7 +122,7 @@ async def run_node(config: NodeConfig) -> None:
         kernels=accelerator == "cpu" and config.runner.fast_path and load_kernels().module is not None,
         runner_spec=runner_spec,
         stage_links=stage_links(derive_key(config.mesh.cluster, config.mesh.secret), config.mesh.secret),
-        sealed_links=bool(config.mesh.secret),
+        unsealed_tensor=bool(config.mesh.secret) and not tensor_links_seal(),
     )
     instances = InstanceManager(cluster, mesh, options, files)
     backend = NodeBackend(

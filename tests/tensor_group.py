@@ -12,6 +12,7 @@ from pathlib import Path
 
 from node.children.process import read_first_frame, spawn, terminate
 from node.cpu.dtype import apply_dtype_policy
+from node.pipeline.link_auth import LINK_ENV, OPEN, LinkSecurity
 from node.pipeline.stage_wire import READY_MAX_BYTES, decode_ready
 from node.tensor.shard import TensorGenerator, load_tensor_shard
 
@@ -37,11 +38,17 @@ def ready_address(process: subprocess.Popen[bytes], *, timeout: float = 120.0) -
 
 @contextmanager
 def tensor_group(
-    model_dir: Path, size: int, *, link_timeout: float = 10.0, connect_timeout: float = 30.0
+    model_dir: Path,
+    size: int,
+    *,
+    link_timeout: float = 10.0,
+    connect_timeout: float = 30.0,
+    security: LinkSecurity = OPEN,
 ) -> Iterator[tuple[TensorGenerator, list[subprocess.Popen[bytes]]]]:
     """Rank 0's generator (connected) and the other ranks' processes; all stopped on exit."""
+    env = {**os.environ, LINK_ENV: security.encode()}
     followers = [
-        spawn(follower_command(model_dir, r, size, link_timeout=link_timeout), env=None, stdin=False)
+        spawn(follower_command(model_dir, r, size, link_timeout=link_timeout), env=env, stdin=False)
         for r in range(1, size)
     ]
     generator = None
@@ -49,7 +56,7 @@ def tensor_group(
         shard = load_tensor_shard(model_dir, rank=0, size=size, prepare=apply_dtype_policy)
         addresses = [ready_address(process) for process in followers]
         generator = TensorGenerator(
-            shard, addresses, link_timeout=link_timeout, connect_timeout=connect_timeout
+            shard, addresses, security=security, link_timeout=link_timeout, connect_timeout=connect_timeout
         )
         generator.connect()
         yield generator, followers

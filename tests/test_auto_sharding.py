@@ -119,10 +119,10 @@ def test_the_leader_picks_by_the_measured_round_trip_and_says_why() -> None:
     run(main)
 
 
-def test_a_cluster_with_a_secret_refuses_tensor_and_picks_pipeline_for_auto() -> None:
+def test_a_leader_that_cannot_seal_refuses_tensor_in_a_cluster_with_a_secret() -> None:
     async def main() -> None:
         cluster = FakeCluster({ME: 8 * GIB, OTHER: 8 * GIB})
-        leader = LeaderControl(cluster, sealed=True)
+        leader = LeaderControl(cluster, unsealed_tensor=True)
         _with_links(cluster, {ME: (RoundTrip(OTHER, 20),)})
         refused = await leader.place(ask(shape=SPLITTABLE, sharding="tensor"))
         assert isinstance(refused, Invalid) and refused.kind == "unsupported" and "secret" in refused.reason

@@ -103,17 +103,28 @@ def test_a_two_rank_instance_answers_like_one_node_and_fails_over(
     assert deleted.status_code == 200
 
 
-def test_a_cluster_with_a_secret_refuses_tensor_sharding_with_the_reason(
-    random_model_dir: Path, tmp_path: Path
+def test_a_cluster_with_a_secret_runs_tensor_parallel_on_sealed_links(
+    random_model_dir: Path, random_node: RunningNode, tmp_path: Path
 ) -> None:
-    node = start_node("--cluster-secret", "hunter2", data_dir=tmp_path / "sealed", model=None)
+    """With a secret every link seals its frames: the tensor links too (AES-GCM, natively), with
+    the key each pair's handshake gave; the text is one node's."""
+    name = random_model_dir.name
+    reference = _tokens(random_node, name)
+    secret = ("--cluster-secret", "hunter2")
+    nodes = [start_node(*secret, data_dir=tmp_path / "a", model=None)]
     try:
-        wait_until(lambda: agreed_leader([node]), 30, "the node leads itself")  # the leader refuses
+        nodes.append(start_node(*secret, "--peer", nodes[0].p2p_addr, data_dir=tmp_path / "b", model=None))
+        wait_until(lambda: agreed_leader(nodes), 30, "the two nodes agree on a leader")
         body = {"model": str(random_model_dir), "nodes": 2, "sharding": "tensor"}
-        refused = httpx.post(f"{node.base_url}/v1/instances", json=body, timeout=30)
-        assert refused.status_code == 400
-        error = refused.json()["error"]
-        assert error["param"] == "sharding" and "do not seal their frames yet" in error["message"]
-        assert _instances(node) == []
+        created = httpx.post(f"{nodes[1].base_url}/v1/instances", json=body, timeout=30)
+        assert created.status_code == 201, created.text
+        ranks = created.json()["stages"]
+        by_id = {n.node_id: n for n in nodes}
+        entry, other = by_id[ranks[0]["node_id"]], by_id[ranks[1]["node_id"]]
+        entry.wait_for_log(f"model {name} ready", timeout=120)
+        assert _tokens(entry, name) == reference  # the first request forms the group
+        other.wait_for_log("rank 1 of 2 joined its group, its frames sealed", timeout=30)
+        assert _tokens(other, name) == reference
     finally:
-        node.stop()
+        for node in nodes:
+            node.stop()

@@ -23,6 +23,7 @@ from node.children.process import spawn, terminate
 from node.cpu.dtype import apply_dtype_policy
 from node.pipeline.driver import PipelineGenerator
 from node.pipeline.hop import HopError
+from node.pipeline.link_auth import LinkSecurity
 from node.pipeline.shard import ShardError, load_shard
 from node.tensor.mesh import native
 from node.tensor.shard import TensorLinkError, load_tensor_shard
@@ -66,7 +67,8 @@ _PEER = """
 import sys, time, mlx.core as mx
 from node.tensor.mesh import native
 k = native()
-link = k.TensorLink([int(sys.argv[1]), -1], 1, 2.0)
+keys = [bytes.fromhex(sys.argv[3]), b""] if sys.argv[3] else []
+link = k.TensorLink([int(sys.argv[1]), -1], 1, 2.0, keys)
 x = mx.array([1e8, 1.0, -3.5, 0.1], dtype=mx.float32)
 s = k.link_sum(x, link); mx.eval(s); print(s.tolist(), flush=True)
 g = k.link_gather(mx.full((2, 1), 7.0), link, [3, 1]); mx.eval(g)
@@ -76,21 +78,29 @@ if sys.argv[2] == "silent":
 """
 
 
-def _peer(mode: str) -> tuple[Any, subprocess.Popen[str]]:
+KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
+
+
+def _peer(
+    mode: str, key: bytes | None = None, peer_key: bytes | None = None
+) -> tuple[Any, subprocess.Popen[str]]:
+    """Rank 0's link to a rank 1 in another process (`_PEER`), both sealed with their key if given."""
     a, b = socket.socketpair()
     process = subprocess.Popen(
-        [sys.executable, "-c", _PEER, str(b.fileno()), mode],
+        [sys.executable, "-c", _PEER, str(b.fileno()), mode, (peer_key or b"").hex()],
         pass_fds=[b.fileno()],
         stdout=subprocess.PIPE,
         text=True,
     )
     b.close()
-    return native().TensorLink([-1, a.detach()], 0, 2.0), process
+    return native().TensorLink([-1, a.detach()], 0, 2.0, [b"", key] if key else []), process
 
 
-def test_sums_are_added_in_rank_order_so_every_rank_has_the_same_bits() -> None:
-    link, process = _peer("close")
+@pytest.mark.parametrize("key", [None, KEY], ids=["open", "sealed"])
+def test_sums_are_added_in_rank_order_so_every_rank_has_the_same_bits(key: bytes | None) -> None:
+    link, process = _peer("close", key, key)
     try:
+        assert link.sealed == (key is not None)
         x = mx.array([1.0, 1e-8, 2.0, 0.2], dtype=mx.float32)
         s = native().link_sum(x, link)
         mx.eval(s)
@@ -122,6 +132,25 @@ def test_a_silent_rank_fails_the_step_within_the_timeout() -> None:
         mx.eval(native().link_sum(mx.ones(4), link))  # the peer sleeps instead of summing
         assert time.monotonic() - started < 10
         assert not link.ok and "timed out after 2" in link.error and "(sum)" in link.error
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_sealed_frames_hide_their_payload_and_another_key_fails_them() -> None:
+    for key, shown in ((None, True), (KEY, False)):
+        a, b = socket.socketpair()
+        link = native().TensorLink([-1, a.detach()], 0, 2.0, [b"", key] if key else [])
+        link.broadcast(b"the secret words")
+        b.settimeout(5)
+        wire = b.recv(4096)
+        b.close()
+        assert (b"the secret words" in wire) == shown
+        assert len(wire) == 16 + len(b"the secret words") + (0 if shown else 2 * 16)  # header, payload, tags
+    link, process = _peer("close", KEY, OTHER_KEY)
+    try:
+        mx.eval(native().link_sum(mx.ones(4), link))
+        assert not link.ok and "failed authentication (sum" in link.error
     finally:
         process.kill()
         process.wait()
@@ -189,6 +218,15 @@ def test_greedy_tokens_and_logits_match_one_process(
         want = one.shard.logits(one.shard.forward(mx.array(PROMPT)[None], one.shard.make_cache()))
         # Partial sums add in another order than one product: float32 rounding, nothing more.
         assert mx.abs(got - want).max() < 2e-3 * mx.abs(want).max()
+
+
+def test_a_sealed_group_answers_as_an_open_one(llama_q4: Path) -> None:
+    """A cluster with a secret: every pair's frames sealed with the key of its handshake."""
+    expected = list(_one_process(llama_q4).generate(PROMPT, max_tokens=12, prefill_step_size=8))
+    sealed = LinkSecurity(bytes(range(32)), sealed=True)
+    with tensor_group(llama_q4, 3, security=sealed) as (generator, _):
+        assert generator.tensor.link.sealed
+        assert list(generator.generate(PROMPT, max_tokens=12, prefill_step_size=8)) == expected
 
 
 def test_seeded_sampling_repeats_itself(llama_q4: Path) -> None:

@@ -42,10 +42,14 @@ NB_MODULE(_kernels, m) {
         "('softmax_topk': qwen3_moe, 'topk_softmax': gpt_oss); float32 [..., D].");
   nb::class_<shoal::TensorLink>(m, "TensorLink",
                                 "A tensor-parallel group's sockets (native/kernels/tensor_link.h).")
-      .def(nb::new_([](std::vector<int> fds, int rank, double timeout_s) {
-             return std::make_shared<shoal::TensorLink>(std::move(fds), rank, timeout_s);
+      .def(nb::new_([](std::vector<int> fds, int rank, double timeout_s, std::vector<nb::bytes> keys) {
+             std::vector<std::string> raw;
+             for (const nb::bytes& k : keys) raw.emplace_back(k.c_str(), k.size());
+             return std::make_shared<shoal::TensorLink>(std::move(fds), rank, timeout_s, raw);
            }),
-           "fds"_a, "rank"_a, "timeout_s"_a)
+           "fds"_a, "rank"_a, "timeout_s"_a, "keys"_a = std::vector<nb::bytes>{},
+           "keys: each rank's 32-byte pair key (b'' at this rank) to seal frames with; none: in the clear.")
+      .def_prop_ro("sealed", &shoal::TensorLink::sealed)
       .def_prop_ro("rank", &shoal::TensorLink::rank)
       .def_prop_ro("size", &shoal::TensorLink::size)
       .def_prop_ro("ok", &shoal::TensorLink::ok)
@@ -71,6 +75,7 @@ NB_MODULE(_kernels, m) {
         "Rank 0: the ranks' x side by side on the last axis; elsewhere zeros of that shape.");
   m.def("set_blas_library", &shoal::set_blas_library, "path"_a,
         "Load the sgemm of an OpenBLAS for the prefill path; returns '' or why not.");
+  m.def("link_can_seal", &shoal::can_seal, "Whether tensor links can seal their frames (built with OpenSSL).");
   m.def("kernel_name", [] { return std::string(shoal::active_kernels().name); });
   m.def("int8_activations", [] { return shoal::active_kernels().int8; },
         "Whether the rows kernel rounds quantized weights' activations to int8 (else int16).");

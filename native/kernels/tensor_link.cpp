@@ -40,9 +40,15 @@ std::vector<char> frame(uint32_t kind, int rank, const void* data, size_t bytes)
 
 }  // namespace
 
-TensorLink::TensorLink(std::vector<int> fds, int rank, double timeout_s)
-    : fds_(std::move(fds)), rank_(rank), timeout_s_(timeout_s), scratch_(fds_.size()) {
+TensorLink::TensorLink(std::vector<int> fds, int rank, double timeout_s, const std::vector<std::string>& keys)
+    : fds_(std::move(fds)), rank_(rank), timeout_s_(timeout_s), scratch_(fds_.size()), raw_(fds_.size()) {
   if (rank_ < 0 || rank_ >= size()) throw std::invalid_argument("[shoal TensorLink] rank outside the group");
+  if (!keys.empty()) {
+    if (static_cast<int>(keys.size()) != size()) throw std::invalid_argument("[shoal TensorLink] give a key a rank");
+    seals_.resize(keys.size());
+    for (int r = 0; r < size(); r++)
+      if (r != rank_) seals_[r] = std::make_unique<Seal>(keys[r], rank_, r);
+  }
   for (int r = 0; r < size(); r++) {
     if ((r == rank_) != (fds_[r] < 0)) throw std::invalid_argument("[shoal TensorLink] give a socket for every other rank");
     if (r != rank_) fcntl(fds_[r], F_SETFL, fcntl(fds_[r], F_GETFL) | O_NONBLOCK);
@@ -159,16 +165,35 @@ bool TensorLink::framed(uint32_t kind, const void* data, size_t bytes, const std
                         const std::vector<int>& from, std::vector<std::vector<char>>& received,
                         double timeout_s) {
   if (!ok()) return false;
+  const char* what = kind == kSum ? "sum" : kind == kGather ? "gather" : "command";
   const std::vector<char> out = frame(kind, rank_, data, bytes);
+  const size_t tag = sealed() ? kSealTag : 0;
+  std::vector<std::vector<char>> sealed_out(sealed() ? to.size() : 0);
   std::vector<Transfer> transfers;
-  for (int peer : to) transfers.push_back({peer, out.data(), out.size()});
+  for (size_t i = 0; i < to.size(); i++) {
+    const char* send = out.data();
+    if (sealed()) {  // the header and the payload, each a record (a command's receiver reads them apart)
+      std::vector<char>& s = sealed_out[i];
+      s.resize(out.size() + 2 * tag);
+      seals_[to[i]]->seal(out.data(), sizeof(Header), s.data());
+      seals_[to[i]]->seal(out.data() + sizeof(Header), bytes, s.data() + sizeof(Header) + tag);
+      send = s.data();
+    }
+    transfers.push_back({to[i], send, out.size() + 2 * tag});
+  }
   for (int peer : from) {
     auto it = std::find_if(transfers.begin(), transfers.end(), [&](const Transfer& t) { return t.peer == peer; });
     if (it == transfers.end()) transfers.push_back({peer}), it = transfers.end() - 1;
-    it->recv = received[peer].data(), it->recv_bytes = received[peer].size();
+    std::vector<char>& into = sealed() ? raw_[peer] : received[peer];
+    if (sealed()) into.resize(received[peer].size() + 2 * tag);
+    it->recv = into.data(), it->recv_bytes = into.size();
   }
-  if (!run(transfers, timeout_s, kind == kSum ? "sum" : kind == kGather ? "gather" : "command")) return false;
+  if (!run(transfers, timeout_s, what)) return false;
   for (int peer : from) {
+    if (sealed() && !(opened(peer, raw_[peer].data(), sizeof(Header), received[peer].data(), what) &&
+                      opened(peer, raw_[peer].data() + sizeof(Header) + tag, received[peer].size() - sizeof(Header),
+                             received[peer].data() + sizeof(Header), what)))
+      return false;
     Header h;
     std::memcpy(&h, received[peer].data(), sizeof h);
     if (h.kind != kind || h.rank != static_cast<uint32_t>(peer) ||
@@ -178,6 +203,14 @@ bool TensorLink::framed(uint32_t kind, const void* data, size_t bytes, const std
     }
   }
   return true;
+}
+
+bool TensorLink::opened(int peer, const char* in, size_t bytes, char* out, const char* what) {
+  if (!sealed()) return std::memcpy(out, in, bytes), true;
+  if (seals_[peer]->open(in, bytes, out)) return true;
+  fail("a frame from rank " + std::to_string(peer) + " failed authentication (" + what +
+       ": altered, replayed or out of order, or sealed with another key)");
+  return false;
 }
 
 void TensorLink::sum(float* data, long n) {
@@ -227,14 +260,20 @@ void TensorLink::broadcast(const std::string& payload) {
 std::string TensorLink::receive(double timeout_s) {
   if (rank_ == 0) return fail("rank 0 sends commands, it receives none"), std::string();
   if (!ok()) return {};
+  const size_t tag = sealed() ? kSealTag : 0;
   Header h{};
-  std::vector<Transfer> head{{0, nullptr, 0, reinterpret_cast<char*>(&h), sizeof h}};
+  std::vector<char>& raw = raw_[0];
+  raw.resize(sizeof h + tag);
+  std::vector<Transfer> head{{0, nullptr, 0, raw.data(), raw.size()}};
   if (!run(head, timeout_s, "command")) return {};
+  if (!opened(0, raw.data(), sizeof h, reinterpret_cast<char*>(&h), "command")) return {};
   if (h.kind != kCommand || h.rank != 0 || h.bytes > (1ul << 30))
     return fail("rank 0 sent another exchange than a command (the ranks ran different steps)"), std::string();
   std::string payload(h.bytes, '\0');
-  std::vector<Transfer> body{{0, nullptr, 0, payload.data(), payload.size()}};
+  raw.resize(h.bytes + tag);
+  std::vector<Transfer> body{{0, nullptr, 0, raw.data(), raw.size()}};
   if (!run(body, timeout_s_, "command")) return {};
+  if (!opened(0, raw.data(), h.bytes, payload.data(), "command")) return {};
   return payload;
 }
 

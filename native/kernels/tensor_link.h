@@ -12,7 +12,8 @@
 // (peer closed, timeout, a frame that does not match) breaks the link for good: later calls do
 // nothing, `error()` says what happened, and the Python side checks it after each step (an
 // exception cannot leave MLX's stream thread). Calls come from one thread at a time: MLX's stream
-// thread inside a step, the Python thread between steps.
+// thread inside a step, the Python thread between steps. Given a key per peer (a cluster with a
+// secret), every frame travels as two AES-GCM records, its header and its payload (link_seal.h).
 #pragma once
 
 #include <mlx/mlx.h>
@@ -24,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "link_seal.h"
+
 namespace shoal {
 
 namespace mx = mlx::core;
@@ -34,14 +37,16 @@ namespace mx = mlx::core;
 // while the main thread may hold the GIL waiting for that very stream (mx.clear_cache): a deadlock.
 class TensorLink : public std::enable_shared_from_this<TensorLink> {
  public:
-  // fds[r]: a connected socket to rank r (-1 at `rank`); the link owns and closes them.
-  TensorLink(std::vector<int> fds, int rank, double timeout_s);
+  // fds[r]: a connected socket to rank r (-1 at `rank`); the link owns and closes them. keys[r]:
+  // the pair's 32-byte key to seal frames with; no keys: frames in the clear.
+  TensorLink(std::vector<int> fds, int rank, double timeout_s, const std::vector<std::string>& keys = {});
   ~TensorLink();
   TensorLink(const TensorLink&) = delete;
   TensorLink& operator=(const TensorLink&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(fds_.size()); }
+  bool sealed() const { return !seals_.empty(); }
   bool ok() const;
   std::string error() const;
   void close();  // breaks the link (peers see it closed); idempotent
@@ -73,6 +78,7 @@ class TensorLink : public std::enable_shared_from_this<TensorLink> {
   bool framed(uint32_t kind, const void* data, size_t bytes, const std::vector<int>& to,
               const std::vector<int>& from, std::vector<std::vector<char>>& received, double timeout_s);
   void fail(const std::string& why);
+  bool opened(int peer, const char* in, size_t bytes, char* out, const char* what);
 
   std::vector<int> fds_;
   int rank_;
@@ -80,6 +86,8 @@ class TensorLink : public std::enable_shared_from_this<TensorLink> {
   mutable std::mutex error_mutex_;
   std::string error_;
   std::vector<std::vector<char>> scratch_;
+  std::vector<std::unique_ptr<Seal>> seals_;  // by peer (none at this rank), or empty: open
+  std::vector<std::vector<char>> raw_;        // sealed records as they arrive, by peer
   // start_sum's worker, started on first use.
   std::mutex job_mutex_;
   std::condition_variable job_cv_;

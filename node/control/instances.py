@@ -71,8 +71,9 @@ class InstanceOptions:
     """How this node runs a model it was given: the runner settings of `shoal run`'s flags."""
     stage_links: Callable[[InstanceId], str] = lambda _instance: ""
     """The key of an instance's stage links (`node.pipeline.link_auth`), from the cluster key."""
-    sealed_links: bool = False
-    """The cluster has a secret, so links must seal their frames: tensor-parallel links cannot yet."""
+    unsealed_tensor: bool = False
+    """The cluster has a secret, so links must seal their frames, and this node's tensor-parallel
+    links cannot (kernels built without OpenSSL): as leader it refuses tensor sharding."""
 
 
 class InstanceManager:
@@ -86,7 +87,7 @@ class InstanceManager:
         """Where this node's models live (`NodeBackend.local_models` lists them)."""
         model_files = ModelFiles(options.data_dir, options.runtime_dtype_bytes, options.kernels)
         self.shapes = ShapeCache(model_files.shape)
-        self.leader = LeaderControl(cluster, sealed=options.sealed_links)
+        self.leader = LeaderControl(cluster, unsealed_tensor=options.unsealed_tensor)
         self.finder = ModelFinder(
             cluster, mesh, files, model_files.folder_shape, self.shapes.get, options.data_dir
         )

@@ -10,7 +10,7 @@ nodes, placed as many as fit when a request asks for them, and re-placed like an
 from the other replicas. Repair runs one task per instance that lost a node; one that cannot be
 re-placed is tried again after a backoff, not on every pass of the loop. A request for "auto"
 sharding is decided here, on the round trips the nodes measured (`protocol.auto_sharding`), and a
-cluster with a secret refuses tensor sharding (its links do not seal their frames yet).
+cluster with a secret refuses tensor sharding when the leader's tensor links cannot seal frames.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ log = logging.getLogger("shoal.instances")
 
 PLACEMENT_HEADROOM = 0.1
 """Fraction of a node's available memory placement leaves free (OS, activations, other programs)."""
-SEALED_TENSOR = (
-    "tensor-parallel links do not seal their frames yet, and this cluster has a secret; "
-    "use sharding 'pipeline'"
+UNSEALED_TENSOR = (
+    "this cluster has a secret, and the leader's tensor-parallel links cannot seal their frames "
+    "(its native kernels were built without OpenSSL's libcrypto); use sharding 'pipeline'"
 )
 
 REPAIR_RETRY = BackoffPolicy(min_s=2.0, max_s=60.0)
@@ -106,11 +106,15 @@ def _not_leader(still: str = "") -> Unavailable:
 
 class LeaderControl:
     def __init__(
-        self, cluster: LeaderCluster, *, rand: Callable[[], float] = random.random, sealed: bool = False
+        self,
+        cluster: LeaderCluster,
+        *,
+        rand: Callable[[], float] = random.random,
+        unsealed_tensor: bool = False,
     ) -> None:
         self.cluster = cluster
-        self._sealed = sealed
-        """The cluster has a secret: tensor-parallel links would carry its frames unsealed."""
+        self._unsealed_tensor = unsealed_tensor
+        """The cluster has a secret, and tensor-parallel links here cannot seal their frames."""
         self._rand = rand
         self._repairing: set[InstanceId] = set()
         self._retries: dict[InstanceId, Backoff] = {}
@@ -154,8 +158,8 @@ class LeaderControl:
         if missing <= 0:
             return _exists(running, request.replicas)
         exclude = nodes_of(running) if request.replicas is not None else set()
-        if request.sharding == "tensor" and self._sealed:
-            return Invalid(kind="unsupported", reason=SEALED_TENSOR)
+        if request.sharding == "tensor" and self._unsealed_tensor:
+            return Invalid(kind="unsupported", reason=UNSEALED_TENSOR)
         chosen = self._auto(request, exclude) if request.sharding == "auto" else None
         try:
             plans = self._plan(
@@ -211,8 +215,8 @@ class LeaderControl:
 
     def _auto(self, request: PlaceInstance, exclude: Collection[NodeId]) -> AutoChoice:
         """Tensor or pipeline for an "auto" request: the rule on a tensor plan's nodes, if one fits."""
-        if self._sealed:
-            return AutoChoice("pipeline", f"pipeline: {SEALED_TENSOR.split(';')[0]}")
+        if self._unsealed_tensor:
+            return AutoChoice("pipeline", f"pipeline: {UNSEALED_TENSOR.split(';')[0]}")
         try:
             plan = self._plan(
                 request.shape, request.manifest, request.nodes, exclude=exclude, sharding="tensor"

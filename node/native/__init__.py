@@ -88,3 +88,10 @@ def load_kernels() -> KernelLoad:
     return KernelLoad(
         module, f"{module.kernel_name()} kernels, {module.threads()} thread(s), {prefill}{decode}"
     )
+
+
+def tensor_links_seal() -> bool:
+    """Whether this node's tensor-parallel links can seal their frames (the kernels were built
+    with OpenSSL's libcrypto: `native/kernels/link_seal.h`), as a cluster with a secret needs."""
+    module = load_kernels().module
+    return module is not None and bool(module.link_can_seal())

@@ -101,6 +101,8 @@ class FrameCipher:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         self._aead = AESGCM(key)
+        self.key = key
+        """Also what a tensor link's native side seals with (`node.tensor.mesh`)."""
         self._invalid = InvalidTag
         self._count = 0
 

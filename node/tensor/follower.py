@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             link_timeout=args.link_timeout,
         )
         shard.attach(link)
-        log.info("rank %d of %d joined its group", args.rank, args.size)
+        sealed = ", its frames sealed" if link.sealed else ""
+        log.info("rank %d of %d joined its group%s", args.rank, args.size, sealed)
         while payload := link.receive(-1.0):
             try:
                 shard.run_command(payload)

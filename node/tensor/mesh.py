@@ -7,7 +7,9 @@ rank then dials the ranks above it and accepts those below: the highest rank dia
 nobody waits in a circle. A dialer names its rank (4 bytes), then both sides run the stage links'
 handshake (`node.pipeline.link_auth`) on a boundary that encodes the pair, so a proof made for one
 pair (or for a pipeline cut) opens no other. The connected sockets go to the native `TensorLink`,
-which owns them from then on.
+which owns them from then on. In a cluster with a secret each pair's handshake also gives the key
+its frames are sealed with (AES-GCM, natively: `native/kernels/link_seal.h`), and rank 0's list is
+sealed under it too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import cbor2
 
 from node.native import load_kernels
 from node.pipeline.hop import CONNECT_TIMEOUT, HopError, dial, nodelay, parse_address
-from node.pipeline.link_auth import LinkAuthError, LinkSecurity, acceptor_handshake, dialer_handshake
+from node.pipeline.link_auth import (
+    FrameCipher,
+    LinkAuthError,
+    LinkSecurity,
+    acceptor_handshake,
+    dialer_handshake,
+)
+from protocol.framing import FrameError
 
 log = logging.getLogger("shoal.tensor")
 
@@ -52,23 +61,32 @@ def boundary(dialer: int, acceptor: int) -> int:
     return _PAIR | dialer << 8 | acceptor
 
 
-def _check_security(security: LinkSecurity) -> None:
-    if security.sealed:
-        raise HopError("tensor-parallel links cannot seal their frames yet (the cluster has a secret)")
+def _link(kernels: ModuleType, fds: list[int], rank: int, timeout: float, ciphers: Sequence[Any]) -> Any:
+    """The native link over `fds`, sealed with each pair's key when the handshakes gave ciphers."""
+    keys = [b"" if c is None else c.key for c in ciphers] if any(ciphers) else []
+    return kernels.TensorLink(fds, rank, timeout, keys)
+
+
+def _check_security(kernels: ModuleType, security: LinkSecurity) -> None:
+    if security.sealed and not kernels.link_can_seal():
+        raise HopError(
+            "tensor-parallel links cannot seal their frames here (the native kernels were built "
+            "without OpenSSL), and the cluster has a secret"
+        )
 
 
 def _dial_rank(
     me: int, peer: int, address: tuple[str, int], security: LinkSecurity, deadline: float
-) -> socket.socket:
+) -> tuple[socket.socket, FrameCipher | None]:
     sock = dial(address, timeout=max(0.1, deadline - time.monotonic()))
     try:
         sock.settimeout(max(0.1, deadline - time.monotonic()))
         sock.sendall(struct.pack("<I", me))
-        dialer_handshake(sock, security, boundary(me, peer))
+        cipher = dialer_handshake(sock, security, boundary(me, peer))
     except (OSError, LinkAuthError) as exc:
         sock.close()
         raise HopError(f"rank {peer} at {address[0]}:{address[1]}: {exc}") from exc
-    return sock
+    return sock, cipher
 
 
 def dial_group(
@@ -83,16 +101,19 @@ def dial_group(
     Raises `HopError` when a rank cannot be reached or proven within `timeout` s.
     """
     kernels = native()
-    _check_security(security)
+    _check_security(kernels, security)
     deadline = time.monotonic() + timeout
     listing = cbor2.dumps(list(followers))
     socks: list[socket.socket] = []
+    ciphers: list[FrameCipher | None] = [None]
     try:
         for rank, text in enumerate(followers, start=1):
-            sock = _dial_rank(0, rank, parse_address(text), security, deadline)
+            sock, cipher = _dial_rank(0, rank, parse_address(text), security, deadline)
             socks.append(sock)
+            ciphers.append(cipher)
+            sent = listing if cipher is None else cipher.seal(listing)
             try:
-                sock.sendall(struct.pack("<I", len(listing)) + listing)
+                sock.sendall(struct.pack("<I", len(sent)) + sent)
             except OSError as exc:
                 raise HopError(f"rank {rank} at {text}: {exc}") from exc
         fds = [-1] + [s.detach() for s in socks]
@@ -100,7 +121,7 @@ def dial_group(
         for s in socks:
             s.close()
         raise
-    return kernels.TensorLink(fds, 0, link_timeout)
+    return _link(kernels, fds, 0, link_timeout, ciphers)
 
 
 def join_group(
@@ -115,8 +136,9 @@ def join_group(
     """Rank `rank`'s `TensorLink`, once rank 0 (waited for as long as it takes) and then every other
     rank connected within `timeout` s. A new connection from rank 0 starts the group over."""
     kernels = native()
-    _check_security(security)
+    _check_security(kernels, security)
     socks: list[socket.socket | None] = [None] * size
+    ciphers: list[FrameCipher | None] = [None] * size
     deadline = float("inf")
 
     def drop_all() -> None:
@@ -137,12 +159,13 @@ def join_group(
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            peer = _accept(nodelay(conn), rank, security)
-            if peer is None:
+            accepted = _accept(nodelay(conn), rank, security)
+            if accepted is None:
                 conn.close()
                 continue
+            peer, ciphers[accepted[0]] = accepted
             if peer == 0:
-                followers = _read_listing(conn, size)
+                followers = _read_listing(conn, size, ciphers[0])
                 if followers is None:
                     conn.close()
                     continue
@@ -155,7 +178,7 @@ def join_group(
                 try:
                     for higher in range(rank + 1, size):
                         address = parse_address(followers[higher - 1])
-                        socks[higher] = _dial_rank(rank, higher, address, security, deadline)
+                        socks[higher], ciphers[higher] = _dial_rank(rank, higher, address, security, deadline)
                 except HopError as exc:
                     log.warning("rank %d could not reach the ranks above it: %s", rank, exc)
                     drop_all()
@@ -168,11 +191,11 @@ def join_group(
     except BaseException:
         drop_all()
         raise
-    return kernels.TensorLink(fds, rank, link_timeout)
+    return _link(kernels, fds, rank, link_timeout, ciphers)
 
 
-def _accept(conn: socket.socket, rank: int, security: LinkSecurity) -> int | None:
-    """The lower rank a connection proves to be, else None."""
+def _accept(conn: socket.socket, rank: int, security: LinkSecurity) -> tuple[int, FrameCipher | None] | None:
+    """The lower rank a connection proves to be, and the pair's cipher; else None."""
     try:
         conn.settimeout(5.0)
         head = conn.recv(4, socket.MSG_WAITALL)
@@ -181,14 +204,14 @@ def _accept(conn: socket.socket, rank: int, security: LinkSecurity) -> int | Non
         (peer,) = struct.unpack("<I", head)
         if not 0 <= peer < rank:
             return None
-        acceptor_handshake(conn, security, boundary(peer, rank))
+        cipher = acceptor_handshake(conn, security, boundary(peer, rank))
     except (OSError, LinkAuthError):
         return None
     conn.settimeout(None)
-    return int(peer)
+    return int(peer), cipher
 
 
-def _read_listing(conn: socket.socket, size: int) -> list[str] | None:
+def _read_listing(conn: socket.socket, size: int, cipher: FrameCipher | None) -> list[str] | None:
     """Rank 0's list of the other ranks' addresses, if it is one for a group of `size`."""
     try:
         conn.settimeout(5.0)
@@ -196,8 +219,9 @@ def _read_listing(conn: socket.socket, size: int) -> list[str] | None:
         (length,) = struct.unpack("<I", head) if len(head) == 4 else (-1,)
         if not 0 < length <= MAX_GROUP * 300:
             return None
-        listing = cbor2.loads(conn.recv(length, socket.MSG_WAITALL))
-    except (OSError, ValueError, cbor2.CBORDecodeError):
+        body = conn.recv(length, socket.MSG_WAITALL)
+        listing = cbor2.loads(body if cipher is None else cipher.open(body))
+    except (OSError, ValueError, cbor2.CBORDecodeError, FrameError):
         return None
     if (
         not isinstance(listing, list)
