@@ -9,7 +9,7 @@ namespaces on a bridge, 1 Gbit/s per link, mDNS inside), each node pinned to its
 Models: a random GGUF shaped like Llama-3.2-3B (hidden 3072, 28 layers, 24 query and 8 KV heads,
 MLP 8192, SmolLM2's 49k vocabulary) and the 1B one of `bench/vs_llamacpp.py`, both Q4_0, made once
 with llama-quantize and imported once (cached in `$SHOAL_BENCH_CACHE`). The issue's targets on the
-3B shape are printed as met or missed.
+3B shape are printed as met or missed, with what `"sharding": "auto"` chose on the same two nodes.
 
     sudo .venv/bin/python bench/tensor_parallel.py [--models 3b 1b] [--delay-ms 0.1] [--rate 1gbit]
 
@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,14 @@ def client(url: str, model: str, place: dict[str, Any] | None, prompt_tokens: in
     from bench.runner_speed import STORY, messages
 
     with httpx.Client(timeout=1800) as http:
+        auto = _auto_choice(http, url, place["model"]) if place and place["sharding"] == "tensor" else ""
         if place is not None:
             placed = http.post(f"{url}/v1/instances", json=place)
             if placed.status_code != 201:
                 return {"error": f"placing: {placed.status_code} {placed.text[:300]}"}
         stream_chat(http, url, chat_body(model, messages(STORY), 8))  # warm-up: waits for the load
         if place is not None:
-            return {"placed": placed.json()["id"]}
+            return {"placed": placed.json()["id"], "auto": auto}
         decode = stream_chat(http, url, chat_body(model, messages(STORY), OUTPUT_TOKENS))
         long_text = STORY * max(1, prompt_tokens // 40)
         prefill = stream_chat(http, url, chat_body(model, messages(long_text), 2))
@@ -109,6 +111,17 @@ def client(url: str, model: str, place: dict[str, Any] | None, prompt_tokens: in
         "prompt_tokens": prompt,
         "output_tokens": int(decode.usage["completion_tokens"]),
     }
+
+
+def _auto_choice(http: Any, url: str, model: str) -> str:
+    """What `"sharding": "auto"` picks for `model` on these nodes, once each measured the other."""
+    for _ in range(60):  # the nodes measure a new peer within a second or two
+        members = http.get(f"{url}/v1/cluster").json()["members"]
+        if all(m["round_trips_us"] for m in members):
+            break
+        time.sleep(0.5)
+    preview = http.get(f"{url}/v1/instances/preview", params={"model": model, "nodes": 2, "sharding": "auto"})
+    return str(preview.json().get("sharding_reason", preview.text[:300]))
 
 
 # ---- the configurations ------------------------------------------------------------------------------
@@ -124,6 +137,8 @@ class Row:
     parts: list[dict[str, int]] = field(default_factory=list)
     """Of each node, the peak RSS of each of its processes."""
     link: str = ""
+    auto: str = ""
+    """What "sharding": "auto" chose on the same nodes, and why (`protocol.auto_sharding`)."""
     error: str = ""
 
 
@@ -182,6 +197,7 @@ def lan_instance(label: str, folder: Path, sharding: str, root: Path, rate: str,
             if "error" in (placed := run(json.dumps(place))):
                 row.error = placed["error"]
                 return row
+            row.auto = placed.get("auto", "")
             return _measure(row, nodes, run)  # memory from here on, as for one node: after the load
         finally:
             for node in nodes:
@@ -199,6 +215,8 @@ def _print(model: str, rows: dict[str, Row]) -> None:
             print(f"      node {i}: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(parts.items())))
         if row.link:
             print(f"      {row.link}")
+        if row.auto:
+            print(f'      "auto" on these nodes: {row.auto}')
     one, both, tensor = rows["1 node, 1 core"], rows["1 node, 2 cores"], rows["tensor"]
     ratios = {
         "decode vs 1 core": tensor.decode_tps / one.decode_tps,

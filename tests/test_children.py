@@ -77,6 +77,35 @@ def test_a_silent_child_fails_the_handshake_at_its_timeout_and_is_stopped() -> N
     assert code is not None and code < 0  # SIGTERM, or SIGKILL once the (mock) grace ran out
 
 
+BEATING = """
+import os, sys, time
+from node.children.process import keep_beating
+from protocol.framing import encode
+out = os.fdopen(os.dup(1), "wb")
+out.write(encode(b"ready", 64)); out.flush()
+keep_beating(out)
+time.sleep(float(sys.argv[1]))
+"""
+"""Ready, then beats (`keep_beating`) for argv[1] seconds and exits."""
+
+
+def test_a_beating_child_is_watched_until_it_exits_and_a_frozen_one_is_killed() -> None:
+    async def main() -> None:
+        async with running(Launch([*python(BEATING), "3"], ENV, 64)) as child:
+            assert await child.handshake(timeout=60) == b"ready"
+            assert not await child.watch(silent_s=2.5)  # beats for 3 s (past 2.5), then exits
+            assert await child.wait() == 0
+        async with running(Launch([*python(BEATING), "600"], ENV, 64)) as child:
+            assert await child.handshake(timeout=60) == b"ready"
+            os.kill(child.pid, signal.SIGSTOP)  # frozen: its beats stop
+            started = trio.current_time()
+            assert await child.watch(silent_s=2.5)
+            assert trio.current_time() - started < 10
+            assert await child.wait() == -signal.SIGKILL
+
+    trio.run(main)
+
+
 @pytest.mark.parametrize(("ignores_sigterm", "ended_by"), [(False, signal.SIGTERM), (True, signal.SIGKILL)])
 def test_a_child_without_stdin_gets_sigterm_then_sigkill_after_its_grace(
     ignores_sigterm: bool, ended_by: signal.Signals

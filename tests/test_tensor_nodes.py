@@ -5,6 +5,7 @@ process dies mid-stream."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,17 @@ def test_a_two_rank_instance_answers_like_one_node_and_fails_over(
     assert_seamless(stream(other, name, GREEDY, kill_rank), whole)
     assert len(killed) == 1
     wait_until(lambda: [p for p in _followers(other) if p.pid not in killed], 30, "rank 1 running again")
+    assert _tokens(entry, name) == reference
+
+    # Rank 1's process freezes mid-stream: its node finds it silent (no heartbeat for 15 s) and
+    # kills it, which breaks rank 0's step, and the request is taken over as above.
+    def freeze_rank() -> None:
+        for process in _followers(other):
+            os.kill(process.pid, signal.SIGSTOP)
+            killed.append(process.pid)
+
+    assert_seamless(stream(other, name, GREEDY, freeze_rank), whole)
+    other.wait_for_log(re.escape("sent no heartbeat for 15 s (frozen); killed it"), timeout=10)
     assert _tokens(entry, name) == reference
     deleted = httpx.delete(f"{entry.base_url}/v1/instances/{instance['id']}", timeout=30)
     assert deleted.status_code == 200

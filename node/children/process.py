@@ -24,12 +24,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from protocol.framing import FrameDecoder
+from protocol.framing import FrameDecoder, encode
 
 log = logging.getLogger("shoal.children")
 
 PARENT_POLL = 0.5
 """Seconds between a child's checks that its parent still lives (where the kernel cannot tell it)."""
+HEARTBEAT_S = 1.0
+"""How often a stage or rank process tells its node it is not frozen (`keep_beating`): an empty
+frame on its stdout after the ready one. MLX releases the GIL while it computes, so a busy
+process still beats; one stopped or stuck in a lock does not (`Child.watch` kills it)."""
 
 
 def _die_with_parent() -> None:
@@ -95,3 +99,20 @@ def exit_when_orphaned(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def keep_beating(out: IO[bytes]) -> None:
+    """In a child, after its ready frame on `out`: an empty frame every `HEARTBEAT_S` from a thread
+    of its own, until whoever reads `out` stops (a closed pipe ends the thread, never the child)."""
+    beat = encode(b"", 0)
+
+    def run() -> None:
+        while True:
+            try:
+                out.write(beat)
+                out.flush()
+            except (OSError, ValueError):
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=run, name="heartbeat", daemon=True).start()

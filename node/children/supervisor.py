@@ -27,6 +27,10 @@ from protocol.framing import FrameDecoder
 
 T = TypeVar("T")
 
+SILENT_KILL_S = 15.0
+"""A child that sent its ready frame and then no heartbeat (`node.children.process.keep_beating`,
+one a second) for this long is frozen: `Child.watch` kills it, and its supervisor starts it again.
+Fifteen missed beats: never a busy child, and back within a failed request's link timeout (30 s)."""
 EXIT_AFTER_EOF_S = 1.0
 """How long a child that closed its stdout before its ready frame gets to exit, so that its exit
 code can be reported."""
@@ -98,6 +102,18 @@ class Child:
                 await self.wait()
             raise ChildFailed(f"exited with {self.returncode} before it was ready")
         raise ChildFailed(f"was not ready within {timeout:.0f}s")
+
+    async def watch(self, silent_s: float = SILENT_KILL_S) -> bool:
+        """Read its heartbeats until its stdout closes; kill it (True) once it sends nothing for
+        `silent_s` seconds. `FrameError` for bytes that are no frame."""
+        while True:
+            with trio.move_on_after(silent_s):
+                if await self.receive_frame() is None:
+                    return False
+                continue
+            if self.returncode is None:
+                self._process.kill()
+            return True
 
     async def wait(self) -> int:
         """Wait for it to exit; its exit code (negative: the signal that ended it)."""

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import trio
 
-from node.children.supervisor import ChildFailed, Launch, keep_restarting, running
+from node.children.supervisor import SILENT_KILL_S, ChildFailed, Launch, keep_restarting, running
 from node.net.mesh import RequestError
 from node.pipeline.stage_wire import (
     READY_MAX_BYTES,
@@ -201,6 +201,19 @@ async def run_stage_process(
                 async with trio.open_nursery() as nursery:
                     if not tensor:
                         nursery.start_soon(feed_next_hop, child.send, functools.partial(route.ask, ahead))
+                    try:
+                        frozen = await child.watch()
+                    except FrameError as exc:  # only heartbeats come after the ready frame
+                        log.error("instance %s: %s wrote no frames (%s); stopping it", instance, label, exc)
+                        await child.stop(0.0)
+                    else:
+                        if frozen:
+                            log.warning(
+                                "instance %s: %s sent no heartbeat for %.0f s (frozen); killed it",
+                                instance,
+                                label,
+                                SILENT_KILL_S,
+                            )
                     code = await child.wait()
                     nursery.cancel_scope.cancel()
                 log.warning("instance %s: stage process exited (%s)", instance, code)

@@ -43,7 +43,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from node.children.process import exit_when_orphaned
+from node.children.process import exit_when_orphaned, keep_beating
 from node.cpu.memory import release_free_heap
 from node.pipeline.frames import Frame, Kind
 from node.pipeline.gate import ACCEPT_POLL, Gate
@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ready = StageReady(port=server.address[1], start=shard.spec.start, end=shard.spec.end, pid=os.getpid())
     sys.stdout.buffer.write(encode_ready(ready))
     sys.stdout.flush()
-    # From now on stdout is the log: whoever started us may stop reading the pipe.
+    # From now on the pipe carries only heartbeats (whoever started us may stop reading it), and
+    # stdout is the log.
+    keep_beating(os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
     server.serve_forever()
     return 0

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from node.children.process import exit_when_orphaned
+from node.children.process import exit_when_orphaned, keep_beating
 from node.pipeline.hop import CONNECT_TIMEOUT, listen, parse_address
 from node.pipeline.link_auth import LinkSecurity
 from node.pipeline.stage_wire import StageReady, encode_ready
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = os.fdopen(os.dup(1), "wb")
     frames.write(encode_ready(ready))
     frames.flush()
+    keep_beating(frames)
+    os.dup2(2, 1)  # stdout is the log from now on: the pipe carries only heartbeats
     while True:
         link = join_group(
             args.rank,
