@@ -81,3 +81,23 @@ def test_a_tensor_instance_shows_its_ranks() -> None:
     )
     text = _text(view)
     assert "tensor: BBBBBBBB: rank 0, CCCCCCCC: rank 1" in text and "0-4" not in text
+
+
+def test_each_member_shows_the_round_trip_the_answering_node_measured_to_it() -> None:
+    far, near = "12D3KooWnodeCCCCCCCC", "12D3KooWnodeDDDDDDDD"
+    me = _member(()).model_copy(update={"round_trips_us": {far: 1260, near: 21}})
+    members = (
+        me,
+        me.model_copy(update={"id": far}),
+        me.model_copy(update={"id": near, "round_trips_us": {}}),
+    )
+    view = ClusterView(cluster="home", self=NODE, leader=NODE, term=1, members=members, instances=())
+    rows = {
+        line.split("│")[1].strip(): line
+        for line in _text(view).splitlines()
+        if "12D3" not in line and "│" in line
+    }
+    assert rows["BBBBBBBB (this)"].rstrip(" │").endswith("-")
+    assert rows["CCCCCCCC"].rstrip(" │").endswith("1.3 ms") and rows["DDDDDDDD"].rstrip(" │").endswith(
+        "21 us"
+    )

@@ -55,7 +55,14 @@ def _gb(n: int) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _member_row(member: MemberView, self_id: str) -> list[Text | str]:
+def _round_trip(us: int | None) -> str:
+    if us is None:
+        return "-"
+    return f"{us} us" if us < 1000 else f"{us / 1000:.1f} ms"
+
+
+def _member_row(member: MemberView, self_id: str, trips: dict[str, int]) -> list[Text | str]:
+    """`trips`: the round trips the answering node measured to the others."""
     name = member.id[-8:] + (" (this)" if member.id == self_id else "")
     used = member.memory_total - member.memory_available
     seen = "now" if member.last_seen_s is None else f"{member.last_seen_s:.1f}s ago"
@@ -67,6 +74,7 @@ def _member_row(member: MemberView, self_id: str) -> list[Text | str]:
         f"{_gb(used)} / {_gb(member.memory_total)} GiB",
         member.backend,
         seen,
+        _round_trip(trips.get(member.id)),
     ]
 
 
@@ -74,10 +82,12 @@ def render(view: ClusterView) -> Group:
     members = Table(
         title=f"cluster {view.cluster!r}: leader {(view.leader or 'none')[-8:]}, term {view.term}"
     )
-    for column in ("node", "host", "role", "status", "memory used", "backend", "last seen"):
+    for column in ("node", "host", "role", "status", "memory used", "backend", "last seen", "round trip"):
         members.add_column(column)
+    me = next((m for m in view.members if m.id == view.self), None)
+    trips = me.round_trips_us if me is not None else {}
     for member in view.members:
-        members.add_row(*_member_row(member, view.self))
+        members.add_row(*_member_row(member, view.self, trips))
     instances = Table(title="instances")
     for column in ("id", "model", "stages (node: layers)", "load"):
         instances.add_column(column)
