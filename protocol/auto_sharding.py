@@ -17,7 +17,8 @@ an emulated 1 Gbit/s LAN with a 21 us round trip, one core each):
   against 32): 150-290 us over each of 35 exchanges;
 - one node on both cores read 21-22 GB/s (28.3 tok/s on the 1B, 11.85 on the 3B).
 So at a LAN's 0.2 ms round trip a 1B model on two nodes is (just) faster tensor-parallel, a 3B one
-clearly; at a Wi-Fi's 2 ms neither is; SmolLM2-135M (0.1 GB) never is.
+clearly; at a Wi-Fi's 2 ms neither is; SmolLM2-135M (0.1 GB) never is. A mixture of experts
+counts the experts a token is routed to (`ModelShape.token_bytes`), not all it stores.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class AutoChoice:
 
 
 def token_bytes(shape: ModelShape) -> int:
-    """Weights one decoded token reads: every layer, and the head (the embedding when tied)."""
+    """Weights one decoded token reads: every layer (of a mixture of experts, the routed experts
+    only: `ModelShape.token_bytes`), and the head (the embedding when tied)."""
+    if shape.token_bytes:
+        return shape.token_bytes
     return sum(shape.layer_bytes) + (shape.embedding_bytes if shape.tied_embeddings else shape.head_bytes)
 
 

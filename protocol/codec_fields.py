@@ -117,6 +117,7 @@ def shape_to_wire(shape: ModelShape | None) -> Any:
     if shape is None:
         return None
     s = shape
+    tensor = s.tensor_ranks or s.tensor_unsplittable
     return [
         s.model,
         list(s.layer_bytes),
@@ -125,9 +126,10 @@ def shape_to_wire(shape: ModelShape | None) -> Any:
         s.tied_embeddings,
         s.kv_bytes_per_token,
         s.context_length,
-        # Only when set, so that every shape without them keeps the 7 (8) fields older nodes read.
-        *([s.unsplittable] if s.unsplittable or s.tensor_ranks or s.tensor_unsplittable else []),
-        *([s.tensor_ranks, s.tensor_unsplittable] if s.tensor_ranks or s.tensor_unsplittable else []),
+        # Only when set, so that every shape without them keeps the 7 (8, 10) fields older nodes read.
+        *([s.unsplittable] if s.unsplittable or tensor or s.token_bytes else []),
+        *([s.tensor_ranks, s.tensor_unsplittable] if tensor or s.token_bytes else []),
+        *([s.token_bytes] if s.token_bytes else []),
     ]
 
 
@@ -135,7 +137,7 @@ def shape_from_wire(obj: object) -> ModelShape | None:
     if obj is None:
         return None
     f = wire_list(obj, "shape")
-    if len(f) not in (7, 8, 10):
+    if len(f) not in (7, 8, 10, 11):
         raise WireDecodeError(f"shape: wrong length {len(f)}")
     layers = tuple(wire_int(b, "layer bytes") for b in wire_list(f[1], "layer bytes", limit=MAX_LAYERS))
     try:
@@ -148,8 +150,9 @@ def shape_from_wire(obj: object) -> ModelShape | None:
             wire_int(f[5], "kv bytes per token"),
             wire_int(f[6], "context length"),
             wire_str(f[7], "unsplittable") if len(f) >= 8 else "",
-            wire_int(f[8], "tensor ranks") if len(f) == 10 else 0,
-            wire_str(f[9], "tensor unsplittable") if len(f) == 10 else "",
+            wire_int(f[8], "tensor ranks") if len(f) >= 10 else 0,
+            wire_str(f[9], "tensor unsplittable") if len(f) >= 10 else "",
+            wire_int(f[10], "token bytes") if len(f) == 11 else 0,
         )
     except ValueError as exc:  # WireDecodeError passes through unchanged
         raise exc if isinstance(exc, WireDecodeError) else WireDecodeError(f"invalid shape: {exc}") from exc

@@ -36,6 +36,9 @@ class ModelShape:
     """The most ranks a tensor-parallel instance of it may have (`protocol.tensor_split`); 0: none."""
     tensor_unsplittable: str = ""
     """Why it cannot run tensor-parallel (when `tensor_ranks` is 0); empty when it can."""
+    token_bytes: int = 0
+    """Weights one decoded token reads when that is fewer than all of them (a mixture of experts:
+    only its routed experts'); 0: every layer's and the head's (`protocol.auto_sharding`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_bytes, tuple) or not self.layer_bytes:
@@ -47,6 +50,7 @@ class ModelShape:
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("context_length", self.context_length),
             ("tensor_ranks", self.tensor_ranks),
+            ("token_bytes", self.token_bytes),
         ):
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, not {value!r}")

@@ -49,6 +49,13 @@ def test_tensor_pays_for_a_large_model_on_a_lan_not_for_a_small_one_or_a_slow_li
     assert unmeasured.sharding == "pipeline" and "no round trip" in unmeasured.reason
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_reads() -> None:
+    """Stored like the 3B model, but a token reads a tenth of it: tensor does not pay on a LAN."""
+    moe = dataclasses.replace(LLAMA_3B, token_bytes=token_bytes(LLAMA_3B) // 10)
+    assert choose_sharding(LLAMA_3B, 2, 200).sharding == "tensor"
+    assert choose_sharding(moe, 2, 200).sharding == "pipeline"
+
+
 def test_the_worst_pair_counts_and_an_unmeasured_pair_means_unknown() -> None:
     a, b, c = NodeId("a"), NodeId("b"), NodeId("c")
     links = {a: {b: 40, c: 900}, b: {a: 30}, c: {b: 50}}

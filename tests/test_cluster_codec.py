@@ -362,6 +362,8 @@ def test_a_shape_says_why_it_cannot_be_split_only_when_it_cannot() -> None:
     assert len(shape_to_wire(plain)) == 7 and shape_from_wire(shape_to_wire(plain)) == plain
     whole = dataclasses.replace(plain, unsplittable="per-layer inputs")
     assert shape_from_wire(shape_to_wire(whole)) == whole
+    routed = dataclasses.replace(plain, token_bytes=2)  # a mixture of experts: an 11th field
+    assert len(shape_to_wire(routed)) == 11 and shape_from_wire(shape_to_wire(routed)) == routed
     for bad in ([*shape_to_wire(whole), "x"], [*shape_to_wire(plain)[:7], 3]):
         with pytest.raises(WireDecodeError):
             shape_from_wire(bad)

@@ -289,6 +289,14 @@ def test_experts_and_sinks_count_in_their_layers(
         if k.startswith(("model.layers.0.mlp.experts.", "model.layers.0.mlp.switch_mlp."))
     )
     assert shape.layer_bytes[0] == layer0 and experts > layer0 / 2
+    # A token reads its routed experts only ("auto" sharding weighs that, not the stored size).
+    config = json.loads((folder / "config.json").read_text())
+    share = config["num_experts_per_tok"] / (config.get("num_experts") or config["num_local_experts"])
+    every = sum(v.nbytes for k, v in weights.items() if ".mlp.experts." in k or ".mlp.switch_mlp." in k)
+    head = shape.embedding_bytes if shape.tied_embeddings else shape.head_bytes
+    read = shape.weight_bytes - shape.embedding_bytes - shape.head_bytes - every * (1 - share) + head
+    assert shape.token_bytes == pytest.approx(read, rel=1e-3) and shape.token_bytes < 0.8 * shape.weight_bytes
+    assert model_shape("m", fake_folder(tmp_path, GOOD)).token_bytes == 0  # dense: every weight
 
 
 def test_an_unsplittable_family_says_why(tmp_path: Path) -> None:

@@ -57,7 +57,6 @@ UNSEALED_TENSOR = (
     "this cluster has a secret, and the leader's tensor-parallel links cannot seal their frames "
     "(its native kernels were built without OpenSSL's libcrypto); use sharding 'pipeline'"
 )
-
 REPAIR_RETRY = BackoffPolicy(min_s=2.0, max_s=60.0)
 """An instance that cannot be re-placed (no room left, an unreadable model) waits 2 s, 4 s ... 60 s
 between tries: a node joining or memory freeing up is picked up within a minute."""

@@ -106,6 +106,8 @@ _EMBEDDINGS = frozenset(
     {"embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "embed_in", "wte", "wpe"}
 )
 _HEAD = ("lm_head.", "output.")
+_EXPERTS = re.compile(r"\.(?:switch_mlp|experts)\.")
+"""The stacked experts of a mixture-of-experts layer (mlx-lm's SwitchGLU), experts first."""
 
 
 class ModelShapeError(ValueError):
@@ -134,7 +136,8 @@ def model_shape(
     tensors = _read_headers(folder)
     bits = _quantization_bits(config)
     layers = [0] * num_layers
-    embedding = head = 0
+    embedding = head = unread = 0
+    experts, routed = _experts(config)
     seen_layers: set[int] = set()
     for name, info in tensors.items():
         size = _runtime_bytes(name, info, tensors, bits, runtime_dtype_bytes, kernels)
@@ -144,6 +147,8 @@ def model_shape(
             if index < num_layers:
                 layers[index] += size
                 seen_layers.add(index)
+                if experts and _EXPERTS.search(local) and int(info["shape"][0]) == experts:
+                    unread += size - size * routed // experts
         elif _is_embedding(local):
             embedding += size
         elif local.startswith(_HEAD + _DECODER):
@@ -160,12 +165,14 @@ def model_shape(
     if context_length is None:
         context_length = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
     tensor = tensor_limit(config)
+    tied_head = tied if isinstance(tied, bool) else not has_lm_head
+    token_bytes = sum(layers) - unread + (embedding if tied_head else head) if unread else 0
     return ModelShape(
         model=ModelId(model_id),
         layer_bytes=tuple(layers),
         embedding_bytes=embedding,
         head_bytes=head,
-        tied_embeddings=tied if isinstance(tied, bool) else not has_lm_head,
+        tied_embeddings=tied_head,
         kv_bytes_per_token=_kv_bytes_per_token(
             config, tensors, KERNEL_KV_BYTES if kernels and runtime_dtype_bytes else runtime_dtype_bytes
         ),
@@ -173,7 +180,17 @@ def model_shape(
         unsplittable=UNSPLITTABLE.get(str(config.get("model_type")), ""),
         tensor_ranks=tensor[0],
         tensor_unsplittable=tensor[1],
+        token_bytes=token_bytes,
     )
+
+
+def _experts(config: dict[str, Any]) -> tuple[int, int]:
+    """(experts per layer, experts a token is routed to) of a mixture of experts; (0, 0) otherwise."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    routed = config.get("num_experts_per_tok") or config.get("experts_per_token") or 0
+    if type(experts) is not int or type(routed) is not int or not 0 < routed < experts:
+        return 0, 0
+    return experts, routed
 
 
 def _is_embedding(name: str) -> bool:
