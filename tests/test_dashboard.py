@@ -142,6 +142,12 @@ def test_three_nodes_and_the_leader(dashboard: tuple[Page, Console], cluster: li
     card = page.locator(f"article.node[data-node-id='{cluster[0].node_id}']")
     assert card.locator("[role=meter]").get_attribute("aria-valuemax") not in (None, "0")
     assert re.search(r"GB / [\d.]+ GB used", card.inner_text())
+    # Each other node's card: the round trip the serving node measured to it (not its own card).
+    page.wait_for_function(
+        f"() => document.querySelectorAll('article.node .trip').length === {len(cluster) - 1}"
+    )
+    trips = page.locator("article.node .trip").all_inner_texts()
+    assert all(re.fullmatch(r"\d+ µs away|[\d.]+ ms away", trip) for trip in trips), trips
 
 
 def test_api_key_is_sent_once_set(dashboard: tuple[Page, Console]) -> None:

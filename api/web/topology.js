@@ -79,8 +79,17 @@ function lastSeen(member, isSelf) {
   return s < 1.5 ? "seen just now" : `seen ${s < 90 ? `${s.toFixed(0)} s` : `${Math.round(s / 60)} min`} ago`;
 }
 
+/** The round trip the node serving this page measured to `member` ("auto" sharding weighs it). */
+function roundTrip(member, view) {
+  const me = view.members.find((m) => m.id === view.self);
+  const us = me && me.round_trips_us ? me.round_trips_us[member.id] : undefined;
+  if (us === undefined) return null;
+  return us < 1000 ? `${us} µs away` : `${(us / 1000).toFixed(1)} ms away`;
+}
+
 function card(member, view, stages) {
   const isSelf = member.id === view.self;
+  const trip = roundTrip(member, view);
   const badges = [
     member.role === "leader" ? h("span.badge.leader", { title: `leader of term ${view.term}` }, "leader") : null,
     h(`span.badge.status.${member.status}`, {}, member.status),
@@ -95,6 +104,7 @@ function card(member, view, stages) {
       h("span.host", { title: member.api_url || "" }, member.host || "?"),
       h("span.backend", { title: member.os }, member.backend || "?"),
       h(isSelf ? "span.seen.self" : "span.seen", { title: isSelf ? "the node serving this page" : null }, lastSeen(member, isSelf)),
+      trip ? h("span.trip", { title: "TCP round trip from the node serving this page" }, trip) : null,
     ),
     memoryBar(member),
     stages.length
@@ -114,7 +124,8 @@ export function renderNodes(container, view) {
     if (!slot) slot = h("div.slot", { dataset: { slot: member.id } });
     // Only what the card shows goes into the key: `last_seen_s` is rounded as it is shown.
     const stages = byNode.get(member.id) || [];
-    const key = JSON.stringify([{ ...member, last_seen_s: undefined }, view.self, view.term, stages, lastSeen(member, member.id === view.self)]);
+    const shown = [lastSeen(member, member.id === view.self), roundTrip(member, view)];
+    const key = JSON.stringify([{ ...member, last_seen_s: undefined }, view.self, view.term, stages, shown]);
     renderIfChanged(slot, key, () => card(member, view, stages));
     if (previous ? previous.nextSibling !== slot : container.firstChild !== slot) {
       if (previous) previous.after(slot);
