@@ -142,12 +142,6 @@ def test_three_nodes_and_the_leader(dashboard: tuple[Page, Console], cluster: li
     card = page.locator(f"article.node[data-node-id='{cluster[0].node_id}']")
     assert card.locator("[role=meter]").get_attribute("aria-valuemax") not in (None, "0")
     assert re.search(r"GB / [\d.]+ GB used", card.inner_text())
-    # Each other node's card: the round trip the serving node measured to it (not its own card).
-    page.wait_for_function(
-        f"() => document.querySelectorAll('article.node .trip').length === {len(cluster) - 1}"
-    )
-    trips = page.locator("article.node .trip").all_inner_texts()
-    assert all(re.fullmatch(r"\d+ µs away|[\d.]+ ms away", trip) for trip in trips), trips
 
 
 def test_api_key_is_sent_once_set(dashboard: tuple[Page, Console]) -> None:
@@ -168,31 +162,6 @@ def test_api_key_is_sent_once_set(dashboard: tuple[Page, Console]) -> None:
         page.click("#key-form button")
     assert "authorization" not in pushed.value.headers
     page.wait_for_selector("#live[data-mode=push]")
-
-
-def test_preview_spread_tensor_parallel(
-    dashboard: tuple[Page, Console], cluster: list[RunningNode], random_model_dir: Path
-) -> None:
-    """The form's sharding goes to the leader's preview: the random model's 2 KV heads make 2 ranks
-    of the 3 nodes, each a slice of every layer. Cancelled: the story launches it as layers next."""
-    page, _ = dashboard
-    page.select_option("#launch-sharding", "tensor")
-    page.fill("#launch-ref", random_model_dir.name)
-    page.click("#launch-form button[type=submit]")
-    preview = page.locator("#preview")
-    preview.get_by_text("tensor-parallel").wait_for()
-    assert (
-        preview.locator(".node-id").count() == 2 and "rank 1, a slice of every layer" in preview.inner_text()
-    )
-    preview.get_by_role("button", name="Cancel").click()
-    page.select_option("#launch-sharding", "auto")  # the leader picks, and the preview says why
-    page.click("#launch-form button[type=submit]")
-    page.locator("#sharding-reason").wait_for()
-    assert page.locator("#sharding-reason").inner_text().startswith("Chosen: ")
-    preview.get_by_role("button", name="Cancel").click()
-    page.select_option("#launch-sharding", "pipeline")
-    page.fill("#launch-ref", "")
-    assert httpx.get(f"{cluster[0].base_url}/v1/instances", timeout=10).json()["data"] == []
 
 
 def test_launch_with_preview_then_ready(
