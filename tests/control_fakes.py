@@ -42,6 +42,7 @@ class FakeCluster:
         self.memory = memory
         self.leading = True
         self.asked_memory_at: list[float] = []
+        self._changed = trio.Event()
 
     @property
     def is_leader(self) -> bool:
@@ -60,7 +61,12 @@ class FakeCluster:
         self.state = self.state.without_instance(ME, 1, instance_id)
 
     async def wait_changed(self) -> None:
-        await trio.sleep_forever()
+        await self._changed.wait()
+
+    def changed(self) -> None:
+        """Wake what waits for a change of the state (a test wrote one)."""
+        self._changed.set()
+        self._changed = trio.Event()
 
     def dies(self, node: NodeId) -> None:
         self.view = View({node: MemberState(node, Status.DEAD, 0, 0, 0.0)})

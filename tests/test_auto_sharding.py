@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+import pytest
 import trio
 
 from node.cluster.links import LinkProbe, connect_round_trip, rounded_us
-from node.control.leader import LeaderControl
+from node.control.leader import AUTO_MEASURE_WAIT_S, LeaderControl
 from protocol.auto_sharding import choose_sharding, exchanges, token_bytes, worst_round_trip
 from protocol.cluster_records import NodeProfile, RoundTrip
 from protocol.control_wire import Invalid, Placed
@@ -122,6 +123,31 @@ def test_the_leader_picks_by_the_measured_round_trip_and_says_why() -> None:
         assert "no tensor-parallel placement" in whole.sharding_reason
         asked = await leader.place(ask("other", preview=True))
         assert isinstance(asked, Placed) and asked.sharding_reason == ""
+
+    run(main)
+
+
+def test_a_placement_waits_a_little_for_a_round_trip_not_measured_yet() -> None:
+    """`shoal run --sharding auto` on nodes started together: the peer is measured a second later."""
+
+    async def main() -> None:
+        cluster, leader = leader_of({ME: 8 * GIB, OTHER: 8 * GIB})
+
+        async def measured_later() -> None:
+            await trio.sleep(1)
+            _with_links(cluster, {ME: (RoundTrip(OTHER, 60),)})
+            cluster.changed()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(measured_later)
+            placed = await leader.place(ask(shape=SPLITTABLE, sharding="auto"))
+        assert isinstance(placed, Placed) and placed.instance.sharding == "tensor"
+        assert trio.current_time() == pytest.approx(1)
+        _with_links(cluster, {ME: ()})  # the figure gone (say, the peer restarted): none comes
+        started = trio.current_time()
+        never = await leader.place(ask("other", shape=SPLITTABLE, sharding="auto", nodes=2))
+        assert isinstance(never, Placed) and never.instance.sharding == "pipeline"
+        assert trio.current_time() - started == pytest.approx(AUTO_MEASURE_WAIT_S)
 
     run(main)
 

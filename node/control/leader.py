@@ -57,6 +57,11 @@ UNSEALED_TENSOR = (
     "this cluster has a secret, and the leader's tensor-parallel links cannot seal their frames "
     "(its native kernels were built without OpenSSL's libcrypto); use sharding 'pipeline'"
 )
+AUTO_MEASURE_WAIT_S = 5.0
+"""How long an "auto" placement (not a preview) waits for a round trip its nodes have not measured
+yet: a node that just joined is measured within a second or two, so `shoal run --sharding auto` on
+nodes started together decides on figures, not on their absence. Well within a control request's
+10 s."""
 REPAIR_RETRY = BackoffPolicy(min_s=2.0, max_s=60.0)
 """An instance that cannot be re-placed (no room left, an unreadable model) waits 2 s, 4 s ... 60 s
 between tries: a node joining or memory freeing up is picked up within a minute."""
@@ -70,6 +75,7 @@ class LeaderCluster(ClusterReader, Protocol):
     def alive_memory(self) -> dict[NodeId, int]: ...
     async def put_instance(self, record: InstanceRecord) -> None: ...
     async def remove_instance(self, instance_id: InstanceId) -> None: ...
+    async def wait_changed(self) -> None: ...
 
 
 def new_instance_id(model: str) -> InstanceId:
@@ -159,7 +165,7 @@ class LeaderControl:
         exclude = nodes_of(running) if request.replicas is not None else set()
         if request.sharding == "tensor" and self._unsealed_tensor:
             return Invalid(kind="unsupported", reason=UNSEALED_TENSOR)
-        chosen = self._auto(request, exclude) if request.sharding == "auto" else None
+        chosen = await self._auto(request, exclude) if request.sharding == "auto" else None
         try:
             plans = self._plan(
                 request.shape,
@@ -212,8 +218,9 @@ class LeaderControl:
             sharding_reason=chosen.reason if chosen else "",
         )
 
-    def _auto(self, request: PlaceInstance, exclude: Collection[NodeId]) -> AutoChoice:
-        """Tensor or pipeline for an "auto" request: the rule on a tensor plan's nodes, if one fits."""
+    async def _auto(self, request: PlaceInstance, exclude: Collection[NodeId]) -> AutoChoice:
+        """Tensor or pipeline for an "auto" request: the rule on a tensor plan's nodes, if one fits,
+        once they measured their round trips (waited for up to `AUTO_MEASURE_WAIT_S`)."""
         if self._unsealed_tensor:
             return AutoChoice("pipeline", f"pipeline: {UNSEALED_TENSOR.split(';')[0]}")
         try:
@@ -222,11 +229,17 @@ class LeaderControl:
             )[0]
         except PlacementError as exc:
             return AutoChoice("pipeline", f"pipeline: no tensor-parallel placement ({exc})")
-        links = {node: {t.node: t.us for t in p.links} for node, p in self.cluster.state.profiles().items()}
         nodes = [stage.node for stage in plan.stages]
-        choice = choose_sharding(request.shape, len(nodes), worst_round_trip(links, nodes))
+        with trio.move_on_after(0 if request.preview else AUTO_MEASURE_WAIT_S):
+            while worst_round_trip(self._links(), nodes) is None:
+                await self.cluster.wait_changed()
+        choice = choose_sharding(request.shape, len(nodes), worst_round_trip(self._links(), nodes))
         log.info("sharding for %s: %s", request.model, choice.reason)
         return choice
+
+    def _links(self) -> dict[NodeId, dict[NodeId, int]]:
+        """The round trips (us) each node measured to the others, from their profiles."""
+        return {node: {t.node: t.us for t in p.links} for node, p in self.cluster.state.profiles().items()}
 
     async def delete(self, request: DeleteInstance) -> DeleteOutcome:
         if not self.cluster.is_leader:
