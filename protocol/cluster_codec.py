@@ -268,7 +268,9 @@ def _value_from_wire(kind: RecordKind, obj: object) -> RecordValue | None:
     if obj is None:
         return None
     if kind is RecordKind.PROFILE:
-        f = wire_list(obj, "profile", 10 if type(obj) is list and len(obj) == 10 else 9)
+        f = wire_list(obj, "profile")
+        if len(f) not in (9, 10):  # 10: with the round trips
+            raise WireDecodeError(f"profile: wrong length {len(f)}")
         started = f[7]
         if type(started) not in (int, float) or not math.isfinite(started):
             raise WireDecodeError("profile.started_at: expected a number")

@@ -41,7 +41,7 @@ std::vector<char> frame(uint32_t kind, int rank, const void* data, size_t bytes)
 }  // namespace
 
 TensorLink::TensorLink(std::vector<int> fds, int rank, double timeout_s, const std::vector<std::string>& keys)
-    : fds_(std::move(fds)), rank_(rank), timeout_s_(timeout_s), scratch_(fds_.size()), raw_(fds_.size()) {
+    : fds_(std::move(fds)), rank_(rank), timeout_s_(timeout_s), scratch_(fds_.size()), raw_(fds_.size()), sealed_(fds_.size()) {
   if (rank_ < 0 || rank_ >= size()) throw std::invalid_argument("[shoal TensorLink] rank outside the group");
   if (!keys.empty()) {
     if (static_cast<int>(keys.size()) != size()) throw std::invalid_argument("[shoal TensorLink] give a key a rank");
@@ -168,18 +168,17 @@ bool TensorLink::framed(uint32_t kind, const void* data, size_t bytes, const std
   const char* what = kind == kSum ? "sum" : kind == kGather ? "gather" : "command";
   const std::vector<char> out = frame(kind, rank_, data, bytes);
   const size_t tag = sealed() ? kSealTag : 0;
-  std::vector<std::vector<char>> sealed_out(sealed() ? to.size() : 0);
   std::vector<Transfer> transfers;
-  for (size_t i = 0; i < to.size(); i++) {
+  for (int peer : to) {
     const char* send = out.data();
     if (sealed()) {  // the header and the payload, each a record (a command's receiver reads them apart)
-      std::vector<char>& s = sealed_out[i];
+      std::vector<char>& s = sealed_[peer];
       s.resize(out.size() + 2 * tag);
-      seals_[to[i]]->seal(out.data(), sizeof(Header), s.data());
-      seals_[to[i]]->seal(out.data() + sizeof(Header), bytes, s.data() + sizeof(Header) + tag);
+      seals_[peer]->seal(out.data(), sizeof(Header), s.data());
+      seals_[peer]->seal(out.data() + sizeof(Header), bytes, s.data() + sizeof(Header) + tag);
       send = s.data();
     }
-    transfers.push_back({to[i], send, out.size() + 2 * tag});
+    transfers.push_back({peer, send, out.size() + 2 * tag});
   }
   for (int peer : from) {
     auto it = std::find_if(transfers.begin(), transfers.end(), [&](const Transfer& t) { return t.peer == peer; });

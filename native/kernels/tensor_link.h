@@ -88,6 +88,7 @@ class TensorLink : public std::enable_shared_from_this<TensorLink> {
   std::vector<std::vector<char>> scratch_;
   std::vector<std::unique_ptr<Seal>> seals_;  // by peer (none at this rank), or empty: open
   std::vector<std::vector<char>> raw_;        // sealed records as they arrive, by peer
+  std::vector<std::vector<char>> sealed_;     // sealed records to send, by peer
   // start_sum's worker, started on first use.
   std::mutex job_mutex_;
   std::condition_variable job_cv_;

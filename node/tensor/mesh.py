@@ -24,7 +24,7 @@ from typing import Any
 
 import cbor2
 
-from node.native import load_kernels
+from node.native import load_kernels, tensor_links_seal
 from node.pipeline.hop import CONNECT_TIMEOUT, HopError, dial, nodelay, parse_address
 from node.pipeline.link_auth import (
     FrameCipher,
@@ -67,8 +67,8 @@ def _link(kernels: ModuleType, fds: list[int], rank: int, timeout: float, cipher
     return kernels.TensorLink(fds, rank, timeout, keys)
 
 
-def _check_security(kernels: ModuleType, security: LinkSecurity) -> None:
-    if security.sealed and not kernels.link_can_seal():
+def _check_security(security: LinkSecurity) -> None:
+    if security.sealed and not tensor_links_seal():
         raise HopError(
             "tensor-parallel links cannot seal their frames here (the native kernels were built "
             "without OpenSSL), and the cluster has a secret"
@@ -101,7 +101,7 @@ def dial_group(
     Raises `HopError` when a rank cannot be reached or proven within `timeout` s.
     """
     kernels = native()
-    _check_security(kernels, security)
+    _check_security(security)
     deadline = time.monotonic() + timeout
     listing = cbor2.dumps(list(followers))
     socks: list[socket.socket] = []
@@ -136,7 +136,7 @@ def join_group(
     """Rank `rank`'s `TensorLink`, once rank 0 (waited for as long as it takes) and then every other
     rank connected within `timeout` s. A new connection from rank 0 starts the group over."""
     kernels = native()
-    _check_security(kernels, security)
+    _check_security(security)
     socks: list[socket.socket | None] = [None] * size
     ciphers: list[FrameCipher | None] = [None] * size
     deadline = float("inf")
