@@ -220,6 +220,21 @@ def test_greedy_tokens_and_logits_match_one_process(
         assert mx.abs(got - want).max() < 2e-3 * mx.abs(want).max()
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_long_prefill_chunk_summed_in_parts_matches_one_process(llama_q4: Path, size: int) -> None:
+    """A 400-row chunk: the tail's sums queue on the link part by part (3 parts), as a real
+    prompt's 512-token chunks do; the text and the last logits are one process's."""
+    prompt = [(7 * i) % 40000 + 300 for i in range(400)]
+    one = _one_process(llama_q4)
+    expected = list(one.generate(prompt, max_tokens=8, prefill_step_size=512))
+    with tensor_group(llama_q4, size) as (generator, _):
+        assert list(generator.generate(prompt, max_tokens=8, prefill_step_size=512)) == expected
+        shard = generator.tensor
+        got = shard.logits(shard.forward(mx.array(prompt)[None], shard.make_cache()))
+        want = one.shard.logits(one.shard.forward(mx.array(prompt)[None], one.shard.make_cache()))
+        assert mx.abs(got - want).max() < 2e-3 * mx.abs(want).max()
+
+
 def test_a_sealed_group_answers_as_an_open_one(llama_q4: Path) -> None:
     """A cluster with a secret: every pair's frames sealed with the key of its handshake."""
     expected = list(_one_process(llama_q4).generate(PROMPT, max_tokens=12, prefill_step_size=8))

@@ -65,30 +65,33 @@ TensorLink::~TensorLink() {
   close();
 }
 
-void TensorLink::start_sum(float* data, long n) {
-  std::unique_lock<std::mutex> lock(job_mutex_);
-  job_cv_.wait(lock, [&] { return !job_pending_; });
+long TensorLink::start_sum(float* data, long n) {
+  std::lock_guard<std::mutex> lock(job_mutex_);
   if (!worker_.joinable()) {
     worker_ = std::thread([this] {
       std::unique_lock<std::mutex> hold(job_mutex_);
       for (;;) {
-        job_cv_.wait(hold, [&] { return job_pending_ || stopping_; });
+        job_cv_.wait(hold, [&] { return !jobs_.empty() || stopping_; });
         if (stopping_) return;
+        const auto [data, n] = jobs_.front();
+        jobs_.pop_front();
         hold.unlock();
-        sum(job_data_, job_n_);
+        sum(data, n);
         hold.lock();
-        job_pending_ = false;
+        done_++;
         job_cv_.notify_all();
       }
     });
   }
-  job_data_ = data, job_n_ = n, job_pending_ = true;
+  jobs_.emplace_back(data, n);
   job_cv_.notify_all();
+  return ++started_;
 }
 
-void TensorLink::wait() {
+void TensorLink::wait(long ticket) {
   std::unique_lock<std::mutex> lock(job_mutex_);
-  job_cv_.wait(lock, [&] { return !job_pending_; });
+  const long until = ticket < 0 ? started_ : ticket;
+  job_cv_.wait(lock, [&] { return done_ >= until; });
 }
 
 bool TensorLink::ok() const {

@@ -19,6 +19,7 @@
 #include <mlx/mlx.h>
 
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,10 +55,11 @@ class TensorLink : public std::enable_shared_from_this<TensorLink> {
   // data[0, n) becomes the sum over ranks, added in rank order: the same bits on every rank.
   void sum(float* data, long n);
   // The same on a thread of the link's own, so that the caller computes meanwhile (a prefill
-  // chunk's 6 MB sums take ~50 ms at 1 Gbit/s); `wait` returns once it is done. One at a time:
-  // nothing else may use the link in between.
-  void start_sum(float* data, long n);
-  void wait();
+  // chunk's 6 MB sums take ~50 ms at 1 Gbit/s). Sums queue and run in the order started (the same
+  // order on every rank); `wait(ticket)` returns once the sum that start_sum numbered so is done,
+  // `wait()` once all are. Nothing else may use the link while any is queued.
+  long start_sum(float* data, long n);
+  void wait(long ticket = -1);
   // Rank 0: out[m, :] = the ranks' parts [m, widths[r]] side by side, in rank order. Others send
   // their part [rows, widths[rank]] to rank 0 and leave out alone.
   void gather(const float* part, long rows, const std::vector<long>& widths, float* out);
@@ -92,9 +94,9 @@ class TensorLink : public std::enable_shared_from_this<TensorLink> {
   // start_sum's worker, started on first use.
   std::mutex job_mutex_;
   std::condition_variable job_cv_;
-  float* job_data_ = nullptr;
-  long job_n_ = 0;
-  bool job_pending_ = false, stopping_ = false;
+  std::deque<std::pair<float*, long>> jobs_;
+  long started_ = 0, done_ = 0;  // sums queued and finished, ever: tickets count them
+  bool stopping_ = false;
   std::thread worker_;
 };
 
