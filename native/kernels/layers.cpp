@@ -137,9 +137,9 @@ namespace {
 
 // Rows at which a tensor-parallel tail overlaps its sums with its products (a prefill chunk's); it
 // cuts them in parts of about kPartRows (at least 2, at most kMaxParts). Measured on the 3B shape
-// at 1 Gbit/s (Intel Xeon): a 477-row chunk in 4 parts prefilled 56-61 tok/s, in 2 parts 52-55,
-// in 8 parts 52-57 (smaller products cost more than the shorter wait saves); with the last of 4
-// parts half as long, 57-62 against 56-59.
+// at 1 Gbit/s (Intel Xeon, 9 prefills each): a 477-row chunk in 4 parts prefilled 58.7 tok/s on
+// average, in 2 parts 53.6, in 8 parts 53.6 (smaller products cost more than the shorter wait
+// saves); with the last of 4 parts half as long, 59.6 against 58.0.
 constexpr long kOverlapRows = 16, kPartRows = 112;
 constexpr int kMaxParts = 8;
 
