@@ -26,7 +26,7 @@ from node.pipeline.hop import HopError
 from node.pipeline.link_auth import LinkSecurity
 from node.pipeline.shard import ShardError, load_shard
 from node.tensor.mesh import native
-from node.tensor.shard import TensorLinkError, load_tensor_shard
+from node.tensor.shard import TensorGenerator, TensorLinkError, load_tensor_shard
 from protocol.sampling import Sampling
 from protocol.tensor_split import Shape, SplitError, split
 from tests.model_factory import make_random_model, quantized_copy
@@ -199,6 +199,15 @@ def _one_process(model_dir: Path) -> PipelineGenerator:
 PROMPT = list(range(300, 337))
 
 
+def _assert_logits_match(generator: TensorGenerator, one: PipelineGenerator, prompt: list[int]) -> None:
+    """The group's logits after `prompt` are one process's. Partial sums add in another order than
+    one product: float32 rounding, nothing more."""
+    shard = generator.tensor
+    got = shard.logits(shard.forward(mx.array(prompt)[None], shard.make_cache()))
+    want = one.shard.logits(one.shard.forward(mx.array(prompt)[None], one.shard.make_cache()))
+    assert mx.abs(got - want).max() < 2e-3 * mx.abs(want).max()
+
+
 @pytest.mark.parametrize(
     ("model", "size"), [("llama_q4", 2), ("llama_q4", 3), ("qwen3_q8", 2), ("qwen3_moe_q4", 2)]
 )
@@ -213,11 +222,7 @@ def test_greedy_tokens_and_logits_match_one_process(
         assert list(generator.generate(PROMPT[:1], max_tokens=4)) == list(
             one.generate(PROMPT[:1], max_tokens=4)
         )
-        shard = generator.tensor
-        got = shard.logits(shard.forward(mx.array(PROMPT)[None], shard.make_cache()))
-        want = one.shard.logits(one.shard.forward(mx.array(PROMPT)[None], one.shard.make_cache()))
-        # Partial sums add in another order than one product: float32 rounding, nothing more.
-        assert mx.abs(got - want).max() < 2e-3 * mx.abs(want).max()
+        _assert_logits_match(generator, one, PROMPT)
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -229,10 +234,7 @@ def test_a_long_prefill_chunk_summed_in_parts_matches_one_process(llama_q4: Path
     expected = list(one.generate(prompt, max_tokens=8, prefill_step_size=512))
     with tensor_group(llama_q4, size) as (generator, _):
         assert list(generator.generate(prompt, max_tokens=8, prefill_step_size=512)) == expected
-        shard = generator.tensor
-        got = shard.logits(shard.forward(mx.array(prompt)[None], shard.make_cache()))
-        want = one.shard.logits(one.shard.forward(mx.array(prompt)[None], one.shard.make_cache()))
-        assert mx.abs(got - want).max() < 2e-3 * mx.abs(want).max()
+        _assert_logits_match(generator, one, prompt)
 
 
 def test_a_sealed_group_answers_as_an_open_one(llama_q4: Path) -> None:

@@ -90,8 +90,7 @@ long TensorLink::start_sum(float* data, long n) {
 
 void TensorLink::wait(long ticket) {
   std::unique_lock<std::mutex> lock(job_mutex_);
-  const long until = ticket < 0 ? started_ : ticket;
-  job_cv_.wait(lock, [&] { return done_ >= until; });
+  job_cv_.wait(lock, [&] { return done_ >= ticket; });
 }
 
 bool TensorLink::ok() const {

@@ -56,10 +56,10 @@ class TensorLink : public std::enable_shared_from_this<TensorLink> {
   void sum(float* data, long n);
   // The same on a thread of the link's own, so that the caller computes meanwhile (a prefill
   // chunk's 6 MB sums take ~50 ms at 1 Gbit/s). Sums queue and run in the order started (the same
-  // order on every rank); `wait(ticket)` returns once the sum that start_sum numbered so is done,
-  // `wait()` once all are. Nothing else may use the link while any is queued.
+  // order on every rank); `wait(ticket)` returns once the sum that start_sum numbered so is done.
+  // Nothing else may use the link while any is queued.
   long start_sum(float* data, long n);
-  void wait(long ticket = -1);
+  void wait(long ticket);
   // Rank 0: out[m, :] = the ranks' parts [m, widths[r]] side by side, in rank order. Others send
   // their part [rows, widths[rank]] to rank 0 and leave out alone.
   void gather(const float* part, long rows, const std::vector<long>& widths, float* out);
